@@ -130,6 +130,9 @@ def _mount_tasks() -> None:
     from kiln.cli_tasks import bench, tasks_app
     app.add_typer(tasks_app, name="tasks")
     app.command()(bench)
+    from kiln.cli_model import serve, tokenizer_app
+    app.add_typer(tokenizer_app, name="tokenizer")
+    app.command()(serve)
 
 
 _mount_tasks()

@@ -92,6 +92,16 @@ class PolicyConfig(Section):
     seed: int = 0  # oracle: seeds the variety of its trajectories
 
 
+class ModelSection(Section):
+    """The model's shape (kiln/model/config.py derives the rest from `depth`)."""
+    depth: int = Field(4, ge=1)  # layers = depth, width = 64 * depth, heads of 64
+    vocab_size: int = Field(8192, ge=265)  # BPE vocabulary: 9 special tokens + 256 bytes at least
+    context: int = Field(2048, ge=16)  # longest sequence (RoPE positions, KV cache)
+    experts: int = Field(8, ge=1)
+    top_k: int = Field(2, ge=1)
+    mtp_depth: int = Field(1, ge=0)  # MTP layers for speculative decoding; 0 = none
+
+
 class BenchConfig(Section):
     suite: str = ""  # a folder of task folders
     policy: Literal["oracle", "noop", "openai"] = "oracle"  # oracle and noop are controls for any suite
@@ -105,6 +115,7 @@ class Config(Section):
     sandbox: SandboxConfig = SandboxConfig()
     harness: HarnessConfig = HarnessConfig()
     policy: PolicyConfig = PolicyConfig()
+    model: ModelSection = ModelSection()
     bench: BenchConfig = BenchConfig()
 
 

@@ -23,3 +23,11 @@ def pytest_collection_modifyitems(config, items):
     if not torch.cuda.is_available():
         for item in gpu_items:
             item.add_marker(pytest.mark.skip(reason="needs a CUDA GPU"))
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoint(tmp_path_factory):
+    """A real (untrained) checkpoint directory: tokenizer, MoE weights and MTP (tests/tiny_model.py)."""
+    from tests.tiny_model import make_tiny_checkpoint
+
+    return make_tiny_checkpoint(tmp_path_factory.mktemp("tiny"))

@@ -1,0 +1,5 @@
+"""Decoding: batched KV-cache engine, sampling, MTP speculative decoding, in-flight weight swap."""
+from kiln.engine.engine import Completion, Engine, Request
+from kiln.engine.sampling import SamplingParams
+
+__all__ = ["Completion", "Engine", "Request", "SamplingParams"]

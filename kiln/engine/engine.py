@@ -1,0 +1,309 @@
+"""The decoding engine: continuous batching over a preallocated KV cache.
+
+Each `step()` applies any pending weight update (in-flight: running sequences keep their cache and
+carry on under the new version), prefills newly admitted requests into free slots, then decodes
+one token for every running sequence (or, with an MTP module, drafts and verifies several: see
+speculative.py). Per generated token it records the logprob, the policy version that produced it
+and, per fed position, the routed experts, so RL never recomputes any of it.
+
+`submit` and `update_weights` may be called from any thread; `step` runs on one thread (the
+caller's, `generate`'s, or `serve`'s loop).
+"""
+from __future__ import annotations
+
+import itertools
+import queue
+import threading
+from dataclasses import dataclass, field
+
+import torch
+
+from kiln.engine.detok import Detokenizer
+from kiln.engine.fast import FastTrunk
+from kiln.engine.kvcache import KVCache
+from kiln.engine.sampling import (
+    SamplingParams,
+    make_generator,
+    policy_logprobs,
+    sample_row,
+)
+from kiln.engine.speculative import SpecStats, draft, spec_step
+
+
+@dataclass
+class Completion:
+    prompt_ids: list[int]
+    token_ids: list[int]
+    logprobs: list[float]
+    versions: list[int]
+    text: str
+    finish_reason: str  # "stop" | "length"
+    routes: list | None = None  # per position of prompt + completion: [n_moe_layers][k]; -1 = not fed
+
+
+@dataclass
+class Request:
+    prompt_ids: list[int]
+    params: SamplingParams
+    id: int = 0
+    tokens: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+    routes: list[torch.Tensor] = field(default_factory=list)  # one [L, k] per fed position
+    finish_reason: str | None = None
+    events: queue.Queue | None = None  # streaming: (text_delta, token_ids) tuples, then None
+    done: threading.Event = field(default_factory=threading.Event)
+    result: Completion | None = None
+    error: BaseException | None = None
+    # engine state
+    length: int = 0  # positions in the KV cache (the last generated token is not yet among them)
+    gen: torch.Generator | None = None
+    stop_ids: set[int] = field(default_factory=set)
+    detok: Detokenizer | None = None
+    pending_routes: torch.Tensor | None = None  # routes of the last forward, until emit knows how many count
+    drafts: list[int] = field(default_factory=list)  # speculative: tokens proposed by MTP
+    draft_probs: list[torch.Tensor | None] = field(default_factory=list)
+
+    def wait(self, timeout: float | None = None) -> Completion:
+        if not self.done.wait(timeout):
+            raise TimeoutError(f"request {self.id} did not finish within {timeout} s")
+        if self.error is not None:
+            raise self.error
+        return self.result
+
+
+class Engine:
+    def __init__(self, model, tokenizer=None, mtp=None, max_batch: int = 8, max_len: int | None = None,
+                 version: int = 0, capture_routes: bool = True):
+        cfg = model.config
+        self.model, self.tok, self.mtp = model, tokenizer, mtp
+        self.version, self.capture_routes = version, capture_routes
+        self.max_batch = max_batch
+        self.max_len = max_len or cfg.max_position_embeddings
+        p = next(model.parameters())
+        self.device, self.dtype = p.device, p.dtype
+        self.cache = KVCache(cfg.num_hidden_layers, max_batch, self.max_len, cfg.num_key_value_heads,
+                             cfg.head_dim, self.dtype, self.device)
+        self.mtp_cache = None if mtp is None else KVCache(
+            mtp.depth, max_batch, self.max_len, cfg.num_key_value_heads, cfg.head_dim, self.dtype, self.device)
+        self.default_stop_ids = _stop_ids(tokenizer, cfg)
+        self.fast = FastTrunk(model) if self.dtype == torch.float32 else None
+        self.running: list[Request] = []
+        self.waiting: queue.Queue[Request] = queue.Queue()
+        self._pending: tuple | None = None
+        self._lock = threading.Lock()
+        self._ids = itertools.count()
+        self.spec_stats = SpecStats(mtp.depth if mtp is not None else 0)
+        self.wake = threading.Event()  # set when work arrives (serve's loop sleeps on it)
+
+    # ---- called from any thread -------------------------------------------------------------
+    def submit(self, prompt_ids: list[int], params: SamplingParams | None = None, stream: bool = False) -> Request:
+        params = params or SamplingParams()
+        if not prompt_ids:
+            raise ValueError("prompt is empty: give at least one token")
+        if len(prompt_ids) >= self.max_len:
+            raise ValueError(f"prompt has {len(prompt_ids)} tokens; this engine's context is {self.max_len} "
+                             f"(raise max_len, or shorten the prompt)")
+        vocab = self.model.config.vocab_size
+        if max(prompt_ids) >= vocab or min(prompt_ids) < 0:
+            raise ValueError(f"prompt holds token ids outside the vocabulary 0..{vocab - 1}")
+        if params.stop and self.tok is None:
+            raise ValueError("stop strings need a tokenizer; give stop_token_ids instead")
+        r = Request(list(prompt_ids), params, id=next(self._ids), events=queue.Queue() if stream else None)
+        self.waiting.put(r)
+        self.wake.set()
+        return r
+
+    def update_weights(self, state: dict[str, torch.Tensor], version: int,
+                       mtp_state: dict[str, torch.Tensor] | None = None) -> None:
+        """Queue new weights; they take effect between two decoding steps."""
+        with self._lock:
+            self._pending = (state, version, mtp_state)
+        self.wake.set()
+
+    # ---- the engine thread ------------------------------------------------------------------
+    @property
+    def busy(self) -> bool:
+        return bool(self.running) or not self.waiting.empty()
+
+    @torch.inference_mode()
+    def step(self) -> list[Request]:
+        """One scheduling round; returns the requests that finished in it."""
+        self._apply_pending()
+        self._admit()
+        finished = self._retire()  # some finish on their first token
+        if self.running:
+            if self.mtp is not None:
+                spec_step(self)
+            else:
+                self._decode()
+            finished += self._retire()
+        return finished
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams] | None = None) -> list[Completion]:
+        """Run prompts to completion (batched up to max_batch) and return them in order."""
+        plist = params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
+        reqs = [self.submit(p, sp) for p, sp in zip(prompts, plist)]
+        while not all(r.done.is_set() for r in reqs):
+            self.step()
+        return [r.wait() for r in reqs]
+
+    def fail_all(self, err: BaseException) -> None:
+        """The loop died: wake every waiter with the error instead of leaving it hanging."""
+        reqs = self.running + _drain(self.waiting)
+        self.running = []
+        for r in reqs:
+            r.error = err
+            _finish_events(r)
+            r.done.set()
+
+    # ---- internals -------------------------------------------------------------------------
+    def _apply_pending(self) -> None:
+        with self._lock:
+            pending, self._pending = self._pending, None
+        if pending is None:
+            return
+        state, version, mtp_state = pending
+        _copy_into(self.model, state)
+        if self.fast is not None:
+            self.fast.refresh()
+        if mtp_state is not None and self.mtp is not None:
+            _copy_into(self.mtp, mtp_state)
+        self.version = version
+
+    def _admit(self) -> None:
+        while len(self.running) < self.max_batch:
+            try:
+                r = self.waiting.get_nowait()
+            except queue.Empty:
+                break
+            r.gen = make_generator(r.params.seed)
+            r.stop_ids = set(r.params.stop_token_ids if r.params.stop_token_ids is not None else self.default_stop_ids)
+            r.detok = Detokenizer(self.tok, r.params.stop) if self.tok is not None else None
+            slot = len(self.running)
+            self.running.append(r)
+            hidden = self.forward(slot, torch.tensor([r.prompt_ids], device=self.device),
+                                  torch.arange(len(r.prompt_ids), device=self.device)[None], [r])
+            r.length = len(r.prompt_ids)
+            self.emit(r, [self.sample(r, self.model.head(hidden[0, -1]).float().cpu())])
+            if self.mtp is not None and r.finish_reason is None:
+                draft(self, slot, [r], hidden, start_positions=[0], n_valid=[r.length])
+
+    def forward(self, start: int, ids: torch.Tensor, positions: torch.Tensor, reqs: list[Request]):
+        """The main trunk over slots start.. with the cache -> hidden states [B, T, D]."""
+        self.cache.begin(start, positions)
+        if self.fast is not None:
+            hidden, routes = self.fast(ids, positions, self.cache)
+        else:
+            out = self.model.trunk(ids, positions=positions, cache=self.cache)
+            hidden, routes = out.hidden, out.routes
+        if self.capture_routes and routes is not None:
+            for r, rr in zip(reqs, routes.to(torch.int16).cpu()):
+                r.pending_routes = rr
+        return hidden
+
+    def _decode(self) -> None:
+        rs = self.running
+        ids = torch.tensor([[r.tokens[-1]] for r in rs], device=self.device)
+        pos = torch.tensor([[r.length] for r in rs], device=self.device)
+        logits = self.model.head(self.forward(0, ids, pos, rs)[:, -1]).float().cpu()
+        for i, r in enumerate(rs):
+            r.length += 1
+            self.emit(r, [self.sample(r, logits[i])], fed=1)
+
+    def sample(self, r: Request, logits: torch.Tensor) -> tuple[int, float]:
+        """logits: one row on the CPU (each request's generator is a CPU generator)."""
+        tok = sample_row(logits, r.params, r.gen)
+        return tok, float(policy_logprobs(logits, r.params.temperature)[tok])
+
+    def emit(self, r: Request, new: list[tuple[int, float]], fed: int | None = None) -> None:
+        """Append generated tokens (stopping at a stop token, max_tokens or the context end) and
+        the routes of the `fed` positions just computed (default: all, as after a prefill)."""
+        before, delta = len(r.tokens), ""
+        for tok, lp in new:
+            r.tokens.append(tok)
+            r.logprobs.append(lp)
+            r.versions.append(self.version)
+            if tok in r.stop_ids:
+                r.finish_reason = "stop"
+                break
+            if r.detok is not None:
+                delta += r.detok.push(tok)
+                if r.detok.stopped:
+                    r.finish_reason = "stop"
+                    break
+            if len(r.tokens) >= r.params.max_tokens:
+                r.finish_reason = "length"
+                break
+        lookahead = self.mtp.depth if self.mtp is not None else 0
+        if r.finish_reason is None and r.length + lookahead >= self.max_len:  # the cache is full
+            r.finish_reason = "length"
+        added = r.tokens[before:]  # accepted drafts past a stop or max_tokens are dropped
+        if r.pending_routes is not None:
+            # The fed positions still in the sequence: the previous last token and the kept drafts
+            # but the new last token (never fed by convention, even when it was a fed draft).
+            r.routes.extend(r.pending_routes[: r.pending_routes.shape[0] if fed is None else min(fed, len(added))])
+            r.pending_routes = None
+        if r.events is not None and (delta or added):
+            r.events.put((delta, added))
+
+    def _retire(self) -> list[Request]:
+        done = [r for r in self.running if r.finish_reason is not None]
+        for r in done:
+            slot, last = self.running.index(r), len(self.running) - 1
+            if slot != last:  # keep running sequences in slots 0..n-1
+                moved = self.running[last]
+                self.cache.move(last, slot, moved.length)
+                if self.mtp_cache is not None:
+                    self.mtp_cache.move(last, slot, moved.length)
+                self.running[slot] = moved
+            self.running.pop()
+            self._complete(r)
+        return done
+
+    def _complete(self, r: Request) -> None:
+        text = ""
+        if r.detok is not None:
+            tail = r.detok.flush()
+            if r.events is not None and tail:
+                r.events.put((tail, []))
+            text = r.detok.text
+        routes = None
+        if self.capture_routes and r.routes:
+            fed = torch.stack(r.routes).tolist()
+            n = len(r.prompt_ids) + len(r.tokens)
+            blank = [[-1] * len(fed[0][0])] * len(fed[0])
+            routes = fed + [blank] * (n - len(fed))  # the last token was never fed
+        r.result = Completion(r.prompt_ids, r.tokens, r.logprobs, r.versions, text, r.finish_reason, routes)
+        _finish_events(r)
+        r.done.set()
+
+
+def _stop_ids(tokenizer, cfg) -> set[int]:
+    if tokenizer is not None:
+        return {tokenizer.eos_id, tokenizer.endoftext_id}
+    return {cfg.eos_token_id} if cfg.eos_token_id is not None else set()
+
+
+def _copy_into(module: torch.nn.Module, state: dict[str, torch.Tensor]) -> None:
+    own = module.state_dict()
+    unknown = set(state) - set(own)
+    if unknown:
+        raise ValueError(f"weight update names tensors the model lacks: {sorted(unknown)[:5]}")
+    with torch.no_grad():
+        for k, v in state.items():
+            own[k].copy_(v)
+
+
+def _drain(q: queue.Queue) -> list:
+    out = []
+    while True:
+        try:
+            out.append(q.get_nowait())
+        except queue.Empty:
+            return out
+
+
+def _finish_events(r: Request) -> None:
+    if r.events is not None:
+        r.events.put(None)

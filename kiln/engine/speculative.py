@@ -1,0 +1,127 @@
+"""Speculative decoding with the MTP module as the drafter.
+
+A step feeds every running sequence its last token plus D drafted tokens (one main forward of D+1
+positions), accepts the longest valid prefix of the drafts and adds one token from the main model
+(a correction, or a bonus when all D were accepted). Greedy: a draft is accepted iff it is the
+main model's argmax, so the output equals plain greedy decoding. Sampling: the standard rule
+(accept d with probability min(1, p(d)/q(d)), else draw from norm(max(0, p - q))), so the output is
+distributed exactly as plain sampling from p.
+
+Then the MTP layers run over the positions just accepted, which extends their own KV cache and
+proposes the next D drafts: layer k at position i reads h^{k-1}_i and the embedding of token i+k.
+Rows past a sequence's accepted length are computed but never attended to later (KVCache).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from kiln.engine.sampling import policy_logprobs, sample_row, sampling_probs
+from kiln.model.moe import rope_tables
+
+
+@dataclass
+class SpecStats:
+    depth: int
+    steps: int = 0
+    proposed: list[int] = field(default_factory=list)  # per draft position: times it was checked
+    accepted: list[int] = field(default_factory=list)
+
+    def __post_init__(self):
+        self.proposed, self.accepted = [0] * self.depth, [0] * self.depth
+
+    @property
+    def acceptance(self) -> list[float]:
+        return [a / p if p else 0.0 for a, p in zip(self.accepted, self.proposed)]
+
+    @property
+    def mean_accepted(self) -> float:
+        """Drafted tokens accepted per verification step (each step also yields one more)."""
+        return sum(self.accepted) / self.steps if self.steps else 0.0
+
+
+def spec_step(engine) -> None:
+    rs, model = engine.running, engine.model
+    depth = engine.mtp.depth
+    ids = torch.tensor([[r.tokens[-1]] + r.drafts for r in rs], device=engine.device)
+    starts = [r.length for r in rs]
+    pos = torch.tensor(starts, device=engine.device)[:, None] + torch.arange(depth + 1, device=engine.device)
+    hidden = engine.forward(0, ids, pos, rs)
+    logits = model.head(hidden).float().cpu()  # sampling and acceptance run on the CPU
+    n_valid = []
+    for b, r in enumerate(rs):
+        new, a = verify(r, logits[b], depth)
+        stats = engine.spec_stats
+        stats.steps += 1
+        for j in range(min(a + 1, depth)):
+            stats.proposed[j] += 1
+        for j in range(a):
+            stats.accepted[j] += 1
+        r.length += a + 1
+        n_valid.append(a + 1)
+        engine.emit(r, new, fed=a + 1)
+    if any(r.finish_reason is None for r in rs):
+        draft(engine, 0, rs, hidden, starts, n_valid)
+
+
+def verify(r, logits: torch.Tensor, depth: int) -> tuple[list[tuple[int, float]], int]:
+    """Accept a prefix of r.drafts against the main logits [D+1, V]; return the new tokens with
+    their logprobs and the number of drafts accepted."""
+    p_, new = r.params, []
+    lp = policy_logprobs(logits, p_.temperature)
+    for j in range(depth):
+        d = r.drafts[j]
+        if p_.greedy:
+            ok = int(logits[j].argmax()) == d
+        else:
+            p, q = sampling_probs(logits[j], p_), r.draft_probs[j]
+            ok = float(torch.rand((), generator=r.gen)) * float(q[d]) < float(p[d])
+        if not ok:
+            if p_.greedy:
+                y = int(logits[j].argmax())
+            else:
+                resid = (p - q).clamp(min=0)
+                y = int(torch.multinomial(resid / resid.sum(), 1, generator=r.gen)) if resid.sum() > 0 \
+                    else sample_row(logits[j], p_, r.gen)
+            return new + [(y, float(lp[j, y]))], j
+        new.append((d, float(lp[j, d])))
+    y = sample_row(logits[depth], p_, r.gen)
+    return new + [(y, float(lp[depth, y]))], depth
+
+
+def draft(engine, start: int, reqs, hidden: torch.Tensor, start_positions: list[int], n_valid: list[int]) -> None:
+    """Run the MTP layers over the main trunk's `hidden` [B, T, D] (row b at positions
+    start_positions[b] + 0..T-1, its first n_valid[b] valid) and set each request's drafts."""
+    mtp, model, dev = engine.mtp, engine.model, engine.device
+    b, t, _ = hidden.shape
+    pos = torch.tensor(start_positions, device=dev)[:, None] + torch.arange(t, device=dev)
+    engine.mtp_cache.begin(start, pos)
+    rope = rope_tables(model.model.inv_freq(dev), pos, hidden.dtype)
+    last = torch.tensor(n_valid, device=dev) - 1
+    seqs = [r.prompt_ids + r.tokens for r in reqs]
+    for r in reqs:
+        r.drafts, r.draft_probs = [], []
+    h = hidden
+    for k, layer in enumerate(mtp.layers, start=1):
+        ids = [[_token_at(seq, r.drafts, s + i + k) for i in range(t)] for seq, r, s in zip(seqs, reqs, start_positions)]
+        h = layer(h, mtp.embed(model, torch.tensor(ids, device=dev)), rope, cache=engine.mtp_cache)
+        logits = mtp.logits(model, k - 1, h[torch.arange(b, device=dev), last]).float().cpu()
+        for i, r in enumerate(reqs):
+            if r.params.greedy:
+                r.drafts.append(int(logits[i].argmax()))
+                r.draft_probs.append(None)
+            else:
+                q = sampling_probs(logits[i], r.params)
+                r.drafts.append(int(torch.multinomial(q, 1, generator=r.gen)))
+                r.draft_probs.append(q)
+
+
+def _token_at(seq: list[int], drafts: list[int], i: int) -> int:
+    """Token i of a sequence extended by its drafts so far; 0 for rows past what is known (their
+    outputs are never used)."""
+    if i < len(seq):
+        return seq[i]
+    i -= len(seq)
+    return drafts[i] if i < len(drafts) else 0
+

@@ -1,0 +1,163 @@
+"""Checkpoints in Hugging Face layout: config.json + model.safetensors (+ tokenizer files), and
+the MTP module beside them in mtp.safetensors (HF ignores files it does not know).
+
+Experts are written one tensor per expert and projection (`mlp.experts.3.gate_proj.weight`), the
+layout of published Qwen3-MoE checkpoints that every transformers version reads; in memory they
+are fused 3-D tensors. Loading accepts both layouts and sharded checkpoints
+(`model.safetensors.index.json`), so a real Qwen3-MoE directory loads on a GPU.
+"""
+from __future__ import annotations
+
+import json
+import re
+import shutil
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from kiln.model.config import ModelConfig
+from kiln.model.moe import MoeForCausalLM
+
+WEIGHTS, INDEX, MTP_WEIGHTS, CONFIG = "model.safetensors", "model.safetensors.index.json", "mtp.safetensors", "config.json"
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+_EXPERT = re.compile(r"^(.*\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+
+
+class CheckpointError(ValueError):
+    pass
+
+
+def split_experts(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Fused [E, 2I, D] / [E, D, I] expert tensors -> one 2-D tensor per expert and projection."""
+    out = {}
+    for name, t in state.items():
+        if name.endswith(".experts.gate_up_proj"):
+            base, inner = name[: -len(".gate_up_proj")], t.shape[1] // 2
+            for e in range(t.shape[0]):
+                out[f"{base}.{e}.gate_proj.weight"] = t[e, :inner].contiguous()
+                out[f"{base}.{e}.up_proj.weight"] = t[e, inner:].contiguous()
+        elif name.endswith(".experts.down_proj"):
+            base = name[: -len(".down_proj")]
+            for e in range(t.shape[0]):
+                out[f"{base}.{e}.down_proj.weight"] = t[e].contiguous()
+        else:
+            out[name] = t.contiguous()
+    return out
+
+
+def fuse_experts(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The inverse of split_experts; tensors already fused pass through."""
+    out, parts = {}, {}
+    for name, t in state.items():
+        m = _EXPERT.match(name)
+        if m:
+            parts.setdefault(m.group(1), {}).setdefault(m.group(3), {})[int(m.group(2))] = t
+        else:
+            out[name] = t
+    for base, projs in parts.items():
+        n = len(projs["down_proj"])
+        gate = [projs["gate_proj"][e] for e in range(n)]
+        up = [projs["up_proj"][e] for e in range(n)]
+        out[f"{base}.gate_up_proj"] = torch.stack([torch.cat((g, u)) for g, u in zip(gate, up)])
+        out[f"{base}.down_proj"] = torch.stack([projs["down_proj"][e] for e in range(n)])
+    return out
+
+
+def save_checkpoint(model: MoeForCausalLM, out_dir: str | Path, mtp: torch.nn.Module | None = None,
+                    tokenizer_dir: str | Path | None = None, dtype: torch.dtype | None = None) -> Path:
+    """Write the model (and MTP module, tokenizer files) to `out_dir` in HF layout. Files are
+    written under temporary names and renamed, so a crash never leaves a half checkpoint."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    state = {k: (v.detach().to(dtype) if dtype else v.detach()).cpu() for k, v in model.state_dict().items()}
+    if model.config.tie_word_embeddings:
+        state.pop("lm_head.weight", None)
+    cfg = model.config.to_hf()
+    cfg["dtype"] = str(dtype or next(model.parameters()).dtype).removeprefix("torch.")
+    _atomic(out / CONFIG, lambda p: p.write_text(json.dumps(cfg, indent=2) + "\n"))
+    _atomic(out / WEIGHTS, lambda p: save_file(split_experts(state), str(p), metadata={"format": "pt"}))
+    if mtp is not None:
+        mstate = {k: (v.detach().to(dtype) if dtype else v.detach()).cpu().contiguous()
+                  for k, v in mtp.state_dict().items()}
+        meta = {"format": "pt", "depth": str(len(mtp.layers))}
+        _atomic(out / MTP_WEIGHTS, lambda p: save_file(split_experts(mstate), str(p), metadata=meta))
+    if tokenizer_dir is not None:
+        for name in TOKENIZER_FILES:
+            src = Path(tokenizer_dir) / name
+            if src.exists() and src.resolve() != (out / name).resolve():
+                shutil.copyfile(src, out / name)
+    return out
+
+
+def _atomic(path: Path, write) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    write(tmp)
+    tmp.replace(path)
+
+
+def read_config(ckpt_dir: str | Path) -> ModelConfig:
+    path = Path(ckpt_dir) / CONFIG
+    if not path.exists():
+        raise CheckpointError(f"{ckpt_dir}: no {CONFIG}; is this a checkpoint directory? "
+                              f"(expected {CONFIG} and {WEIGHTS}, as `kiln pretrain` writes)")
+    return ModelConfig.from_hf(json.loads(path.read_text()))
+
+
+def read_tensors(ckpt_dir: str | Path) -> dict[str, torch.Tensor]:
+    """Every tensor of the model, one file or shards, expert layout as stored."""
+    d = Path(ckpt_dir)
+    if (d / WEIGHTS).exists():
+        files = [d / WEIGHTS]
+    elif (d / INDEX).exists():
+        files = sorted({d / f for f in json.loads((d / INDEX).read_text())["weight_map"].values()})
+    else:
+        raise CheckpointError(f"{d}: no {WEIGHTS} or {INDEX}")
+    state = {}
+    for f in files:
+        with safe_open(str(f), "pt") as fh:
+            for k in fh.keys():  # noqa: SIM118 (safe_open is not iterable)
+                state[k] = fh.get_tensor(k)
+    return state
+
+
+def load_checkpoint(ckpt_dir: str | Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
+                    with_mtp: bool = True):
+    """(model, mtp or None) from a checkpoint directory, in eval mode."""
+    from kiln.model.mtp import MTP
+
+    cfg = read_config(ckpt_dir)
+    with torch.device("meta"):
+        model = MoeForCausalLM(cfg)
+    state = fuse_experts(read_tensors(ckpt_dir))
+    if cfg.tie_word_embeddings:
+        state.setdefault("lm_head.weight", state["model.embed_tokens.weight"])
+    _load_into(model, state, ckpt_dir)
+    if cfg.tie_word_embeddings:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    model.to(device=device, dtype=dtype).eval()
+    mtp = None
+    path = Path(ckpt_dir) / MTP_WEIGHTS
+    if with_mtp and path.exists():
+        with safe_open(str(path), "pt") as fh:
+            depth = int(fh.metadata()["depth"])
+            mstate = fuse_experts({k: fh.get_tensor(k) for k in fh.keys()})  # noqa: SIM118
+        with torch.device("meta"):
+            mtp = MTP(cfg, depth)
+        _load_into(mtp, mstate, path)
+        mtp.to(device=device, dtype=dtype).eval()
+    return model, mtp
+
+
+def _load_into(module: torch.nn.Module, state: dict[str, torch.Tensor], where) -> None:
+    expected = set(module.state_dict())
+    missing, unexpected = expected - set(state), set(state) - expected
+    if missing or unexpected:
+        raise CheckpointError(f"{where}: tensors do not match the config "
+                              f"(missing {sorted(missing)[:5]}, unexpected {sorted(unexpected)[:5]})")
+    shapes = {k: tuple(v.shape) for k, v in module.state_dict().items()}
+    for name, t in state.items():
+        if tuple(t.shape) != shapes[name]:
+            raise CheckpointError(f"{where}: {name} has shape {tuple(t.shape)}, config wants {shapes[name]}")
+    module.load_state_dict(state, assign=True, strict=True)

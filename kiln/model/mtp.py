@@ -1,0 +1,115 @@
+"""Multi-token prediction (DeepSeek-V3 style) for speculative decoding, trained by self-distillation.
+
+MTP layer k (k = 1..depth) at position i takes the previous depth's hidden state h^{k-1}_i (h^0 =
+the main trunk's output) and the embedding of token t_{i+k}: RMSNorm each, concatenate, project
+2d -> d, run one transformer block, and predict t_{i+k+1} through the main model's final-norm-free
+shared head (its own RMSNorm, then the shared lm_head).
+
+Self-distillation (the report's recipe): the target is the main head's full distribution at the
+position that predicts the same token (i + k), detached; loss = KL(main || mtp). The trunk,
+embedding and head are detached by default, so training MTP cannot change the main model.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kiln.model.config import ModelConfig
+from kiln.model.moe import (
+    DEFAULT_REPLAY_RATIO,
+    DecoderLayer,
+    MoeForCausalLM,
+    RMSNorm,
+    init_weights,
+    rope_tables,
+)
+
+
+class MTPLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, index: int):
+        super().__init__()
+        self.hnorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.enorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.eh_proj = nn.Linear(2 * cfg.hidden_size, cfg.hidden_size, bias=False)
+        self.block = DecoderLayer(cfg, index, moe=cfg.num_experts > 0)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, h, emb, rope, mask=None, cache=None):
+        x = self.eh_proj(torch.cat((self.hnorm(h), self.enorm(emb)), dim=-1))
+        return self.block(x, rope, mask, cache, None, DEFAULT_REPLAY_RATIO)[0]
+
+
+class MTP(nn.Module):
+    def __init__(self, cfg: ModelConfig, depth: int = 1):
+        super().__init__()
+        if depth < 1:
+            raise ValueError(f"MTP depth must be >= 1 (got {depth})")
+        self.config = cfg
+        self.layers = nn.ModuleList(MTPLayer(cfg, k) for k in range(depth))
+        init_weights(self, cfg.initializer_range)
+
+    @property
+    def depth(self) -> int:
+        return len(self.layers)
+
+    def logits(self, model: MoeForCausalLM, k: int, h: torch.Tensor, detach: bool = True) -> torch.Tensor:
+        w = model.lm_head.weight
+        return F.linear(self.layers[k].norm(h), w.detach() if detach else w)
+
+    def embed(self, model: MoeForCausalLM, ids: torch.Tensor, detach: bool = True) -> torch.Tensor:
+        w = model.model.embed_tokens.weight
+        return F.embedding(ids, w.detach() if detach else w)
+
+    def forward(self, model: MoeForCausalLM, hidden: torch.Tensor, input_ids: torch.Tensor,
+                positions: torch.Tensor | None = None, doc_ids: torch.Tensor | None = None,
+                detach_trunk: bool = True) -> list[torch.Tensor]:
+        """Training forward over whole sequences. hidden: the trunk's output [B, T, D].
+        Returns per depth k (1-based) logits [B, T-k, V]; row i predicts token i+k+1."""
+        b, t = input_ids.shape
+        if positions is None:
+            positions = torch.arange(t, device=input_ids.device).expand(b, t)
+        h = hidden.detach() if detach_trunk else hidden
+        out = []
+        for k, layer in enumerate(self.layers, start=1):
+            n = t - k
+            if n <= 0:
+                break
+            pos = positions[:, :n]
+            rope = rope_tables(model.model.inv_freq(h.device), pos, h.dtype)
+            mask = None
+            if doc_ids is not None:
+                d = doc_ids[:, :n]
+                mask = ((d[:, :, None] == d[:, None, :]) & torch.ones(n, n, dtype=torch.bool, device=h.device).tril())[:, None]
+            h = layer(h[:, :n], self.embed(model, input_ids[:, k:], detach_trunk), rope, mask)
+            out.append(self.logits(model, k - 1, h, detach_trunk))
+        return out
+
+
+def mtp_loss(main_logits: torch.Tensor, mtp_logits: list[torch.Tensor], input_ids: torch.Tensor,
+             doc_ids: torch.Tensor | None = None, mode: str = "distill") -> tuple[torch.Tensor, list[float]]:
+    """Mean over depths of the per-position loss. mode "distill": KL(main head's detached
+    distribution at i+k || MTP-k at i); "hard": cross-entropy on the true token t_{i+k+1}
+    (the baseline the benchmark compares acceptance against). Positions whose inputs cross a
+    packed-document boundary are left out. Returns (loss, per-depth values)."""
+    if mode not in ("distill", "hard"):
+        raise ValueError(f"mode must be 'distill' or 'hard' (got {mode!r})")
+    t = input_ids.shape[1]
+    losses = []
+    for k, q in enumerate(mtp_logits, start=1):
+        n = t - k if mode == "distill" else t - k - 1
+        if n <= 0:
+            break
+        valid = torch.ones_like(input_ids[:, :n], dtype=torch.bool)
+        if doc_ids is not None:  # inputs (and hard targets) must stay in position i's document
+            last = k if mode == "distill" else k + 1
+            valid = doc_ids[:, :n] == doc_ids[:, last:last + n]
+        logq = torch.log_softmax(q[:, :n].float(), dim=-1)
+        if mode == "distill":
+            logp = torch.log_softmax(main_logits[:, k:k + n].detach().float(), dim=-1)
+            per = (logp.exp() * (logp - logq)).sum(-1)
+        else:
+            per = -logq.gather(-1, input_ids[:, k + 1:k + 1 + n, None]).squeeze(-1)
+        losses.append((per * valid).sum() / valid.sum().clamp(min=1))
+    total = torch.stack(losses).mean()
+    return total, [float(x.detach()) for x in losses]
