@@ -1,0 +1,98 @@
+"""`kiln tokenizer ...` and `kiln serve`: the model-side commands."""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, NoReturn
+
+import typer
+
+tokenizer_app = typer.Typer(help="Train and inspect the byte-level BPE tokenizer.", no_args_is_help=True)
+
+
+def _fail(message: str) -> NoReturn:
+    typer.echo(f"error: {message}", err=True)
+    raise typer.Exit(2)
+
+
+@tokenizer_app.command("train")
+def train(out: Annotated[str, typer.Option("--out", help="Folder to write the tokenizer into.")],
+          vocab: Annotated[int, typer.Option("--vocab", help="Vocabulary size, special and byte tokens included.")] = 8192,
+          corpus: Annotated[list[str] | None, typer.Option(
+              "--corpus", help="A file or folder to train on; repeat for more. Default: Python's standard library.")] = None,
+          max_mb: Annotated[float, typer.Option("--max-mb", help="Read at most this many MB of text.")] = 32.0):
+    """Train the byte-level BPE tokenizer on code; writes tokenizer.json and the transformers config files."""
+    import sysconfig
+
+    from kiln.model.tokenizer import (
+        bytes_per_token,
+        iter_corpus,
+        list_corpus_files,
+        train_tokenizer,
+    )
+    # The stdlib is source code that exists on every machine, offline: a corpus that always works.
+    roots = corpus or [sysconfig.get_paths()["stdlib"]]
+    try:
+        files = list_corpus_files(Path(r) for r in roots)
+    except FileNotFoundError as e:
+        _fail(str(e))
+    if not files:
+        _fail(f"no corpus files under {', '.join(roots)} (folders are searched for source and text files)")
+    try:
+        result = train_tokenizer(files, Path(out), vocab, int(max_mb * 1e6), progress=True)
+    except ValueError as e:
+        _fail(str(e))
+    sample = bytes_per_token(result.tokenizer, iter_corpus(files, 1_000_000))  # the first MB of the corpus
+    typer.echo(f"tokenizer -> {out}: {result.files} files, {result.bytes_read / 1e6:.1f} MB read, "
+               f"vocab {result.tokenizer.vocab_size}, {result.seconds:.1f} s, {sample:.2f} bytes/token on a 1 MB sample")
+
+
+@tokenizer_app.command("encode")
+def encode(text: Annotated[str, typer.Argument(help="The text to encode.")],
+           tokenizer: Annotated[str, typer.Option("--tokenizer", help="A folder from `kiln tokenizer train`.")]):
+    """Print the ids TEXT encodes to, then each id with the text it decodes to."""
+    from kiln.model.tokenizer import load_tokenizer
+    try:
+        tok = load_tokenizer(Path(tokenizer))
+    except (FileNotFoundError, ValueError) as e:
+        _fail(str(e))
+    ids = tok.encode(text)
+    typer.echo(f"{len(ids)} tokens: {ids}")
+    for i in ids:
+        typer.echo(f"{i:>7}  {tok.decode([i])!r}")
+
+
+def serve(checkpoint: Annotated[str, typer.Option("--checkpoint", help="A checkpoint folder (config.json, weights, tokenizer).")],
+          host: Annotated[str, typer.Option("--host", help="Address to listen on.")] = "127.0.0.1",
+          port: Annotated[int, typer.Option("--port", help="Port to listen on; 0 picks a free one.")] = 8000,
+          max_batch: Annotated[int, typer.Option("--max-batch", help="Sequences decoded together.")] = 8,
+          max_len: Annotated[int | None, typer.Option(
+              "--max-len", help="Context length (prompt + reply); default: the model's.")] = None,
+          model_name: Annotated[str | None, typer.Option(
+              "--model-name", help="The model id clients send; default: the checkpoint folder's name.")] = None,
+          admin_token: Annotated[str | None, typer.Option(
+              "--admin-token", envvar="KILN_ADMIN_TOKEN",
+              help="Require `Authorization: Bearer TOKEN` on /admin routes (weight loading).")] = None,
+          request_timeout: Annotated[float, typer.Option(
+              "--request-timeout", help="Seconds a request may wait for its reply before a 504.")] = 600.0,
+          dtype: Annotated[str, typer.Option("--dtype", help="float32 or bfloat16.")] = "float32",
+          device: Annotated[str, typer.Option("--device", help="auto (cuda when present), cpu or cuda.")] = "auto"):
+    """Serve a checkpoint over an OpenAI-compatible API: chat completions with tool calls and streaming,
+    and POST /admin/load_weights to swap in new weights without a restart."""
+    from safetensors import SafetensorError
+
+    from kiln.model.checkpoint import CheckpointError
+    from kiln.serve import serve as start_server
+
+    try:
+        server = start_server(checkpoint, host=host, port=port, max_batch=max_batch, max_len=max_len,
+                              model_name=model_name, admin_token=admin_token, request_timeout=request_timeout,
+                              dtype=dtype, device=device, access_log=True)
+    except (CheckpointError, SafetensorError, FileNotFoundError, ValueError, OSError) as e:
+        _fail(str(e))
+    typer.echo(f"serving {server.app.model_name} at {server.url}/v1 (Ctrl-C stops)")
+    try:
+        server.wait()
+    except KeyboardInterrupt:
+        typer.echo("stopping")
+    finally:
+        server.close()
