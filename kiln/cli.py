@@ -19,8 +19,8 @@ HELP = (
     "as sandbox.memory_mb=512, and --dry-run to print the resolved config and exit."
 )
 
-# Stages that have no command yet; `speedrun` names them so a run says what it skipped.
-PLANNED = ["tokenizer", "corpus", "pretrain", "sft", "rl", "bench of a trained model"]  # `agent` exists but is interactive
+# Stages `speedrun` does not run yet; it names them so a run says what it skipped.
+PLANNED = ["corpus", "pretrain", "sft", "rl", "bench of a trained model"]  # `agent` exists but is interactive
 
 # Plain tracebacks: complete and greppable in CI logs.
 app = typer.Typer(name="kiln", help=HELP, add_completion=False, pretty_exceptions_enable=False)
@@ -73,7 +73,10 @@ def speedrun(overrides: Overrides = None, config: ConfigOpt = None, dry_run: Dry
 
     typer.echo("== sandbox demo")
     run_demo(cfg)
-    from kiln.speedrun import eval_controls
+    from kiln.speedrun import eval_controls, train_run_tokenizer
+
+    typer.echo("== tokenizer")
+    train_run_tokenizer(cfg, echo=typer.echo)
 
     typer.echo("== evaluation: held-out toy tasks, control policies")
     eval_controls(cfg, echo=typer.echo)

@@ -81,7 +81,8 @@ class HarnessConfig(Section):
 
 
 class PolicyConfig(Section):
-    kind: Literal["openai", "oracle", "scripted"] = "openai"
+    kind: Literal["openai", "oracle", "scripted", "local"] = "openai"
+    checkpoint: str = ""  # local: a kiln checkpoint directory (model, MTP drafter, tokenizer)
     base_url: str = "http://127.0.0.1:8000/v1"  # any OpenAI-compatible chat-completions endpoint
     model: str = "kiln"
     api_key_env: str = "OPENAI_API_KEY"  # the key is read from this env var, never from config

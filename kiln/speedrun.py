@@ -1,7 +1,7 @@
 """The speedrun's stages beyond the sandbox demo. Grows as stages land: tokenizer -> corpus ->
-pretrain -> sft -> bench of the trained model. Today: two held-out suites (procedural toy tasks
-and bugs injected into real code, the built-in toolz) benched with the two control policies, so
-every run shows the evaluation pipeline's numbers end to end."""
+pretrain -> sft -> bench of the trained model. Today: the tokenizer, and two held-out suites
+(procedural toy tasks and bugs injected into real code, the built-in toolz) benched with the two
+control policies, so every run shows the evaluation pipeline's numbers end to end."""
 from __future__ import annotations
 
 import os
@@ -21,6 +21,27 @@ def _make_suite(name: str, path: str, cfg):
     with tempfile.TemporaryDirectory(prefix="kiln-toolz-") as work:
         repo = materialize_toolz(os.path.join(work, "repo"))
         return generate_mutants(repo, path, cfg.sandbox, max_tasks=REAL_TASKS, seed=cfg.run.seed, source="builtin:toolz")
+
+
+TOKENIZER_MB = 8  # of the standard library: enough for a stable 8k vocabulary, seconds on 2 cores
+
+
+def train_run_tokenizer(cfg, echo=print) -> str:
+    """<run dir>/tokenizer, trained on the standard library unless a previous run left one."""
+    import sysconfig
+    from pathlib import Path
+
+    from kiln.model.tokenizer import list_corpus_files, train_tokenizer
+
+    out = Path(cfg.run.out_dir, cfg.run.name, "tokenizer")
+    if (out / "tokenizer.json").exists():
+        echo(f"tokenizer: reusing {out}")
+        return str(out)
+    files = list_corpus_files([Path(sysconfig.get_paths()["stdlib"])])
+    r = train_tokenizer(files, out, cfg.model.vocab_size, max_bytes=TOKENIZER_MB * 1_000_000)
+    echo(f"tokenizer: vocab {r.tokenizer.vocab_size} from {r.bytes_read / 1e6:.1f} MB of the standard "
+         f"library in {r.seconds:.1f} s -> {out}")
+    return str(out)
 
 
 def eval_controls(cfg, echo=print) -> dict:

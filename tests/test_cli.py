@@ -51,6 +51,7 @@ def test_speedrun_runs_demo_and_control_bench_then_lists_planned_stages(tmp_path
         assert (tmp_path / "tiny" / f"bench-{suite}-oracle" / "report.md").exists()
     assert "1 failed" in result.stdout and "1 passed" in result.stdout  # the demo's bug, then its fix
     assert "new sandbox sees the fix: True" in result.stdout
+    assert "tokenizer: vocab 8192" in result.stdout and (tmp_path / "tiny" / "tokenizer" / "tokenizer.json").exists()
     assert "not yet available: " + ", ".join(PLANNED) in result.stdout
 
 

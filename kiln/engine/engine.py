@@ -98,6 +98,13 @@ class Engine:
 
     # ---- called from any thread -------------------------------------------------------------
     def submit(self, prompt_ids: list[int], params: SamplingParams | None = None, stream: bool = False) -> Request:
+        r = self._request(prompt_ids, params, stream)
+        self.waiting.put(r)
+        self.wake.set()
+        return r
+
+    def _request(self, prompt_ids: list[int], params: SamplingParams | None, stream: bool) -> Request:
+        """A validated request, not yet queued."""
         params = params or SamplingParams()
         if not prompt_ids:
             raise ValueError("prompt is empty: give at least one token")
@@ -109,10 +116,7 @@ class Engine:
             raise ValueError(f"prompt holds token ids outside the vocabulary 0..{vocab - 1}")
         if params.stop and self.tok is None:
             raise ValueError("stop strings need a tokenizer; give stop_token_ids instead")
-        r = Request(list(prompt_ids), params, id=next(self._ids), events=queue.Queue() if stream else None)
-        self.waiting.put(r)
-        self.wake.set()
-        return r
+        return Request(list(prompt_ids), params, id=next(self._ids), events=queue.Queue() if stream else None)
 
     def update_weights(self, state: dict[str, torch.Tensor], version: int,
                        mtp_state: dict[str, torch.Tensor] | None = None) -> None:
@@ -143,7 +147,9 @@ class Engine:
     def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams] | None = None) -> list[Completion]:
         """Run prompts to completion (batched up to max_batch) and return them in order."""
         plist = params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
-        reqs = [self.submit(p, sp) for p, sp in zip(prompts, plist)]
+        reqs = [self._request(p, sp, False) for p, sp in zip(prompts, plist)]  # all valid before any runs
+        for r in reqs:
+            self.waiting.put(r)
         while not all(r.done.is_set() for r in reqs):
             self.step()
         return [r.wait() for r in reqs]

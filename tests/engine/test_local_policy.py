@@ -1,0 +1,154 @@
+"""The local policy on a real tiny checkpoint: token-in/token-out across turns, fresh conversations,
+config wiring, and the real agent loop running on it."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kiln.config import ConfigError, HarnessConfig, PolicyConfig
+from kiln.engine import Engine, SamplingParams
+from kiln.harness.agent import Agent
+from kiln.model.checkpoint import load_checkpoint
+from kiln.model.tokenizer import load_tokenizer
+from kiln.policies import make_policy
+from kiln.policies.local import LocalPolicy
+from kiln.sandbox import Snapshot, create
+
+EOS, TURN_END = 2, "<|im_end|>\n"  # kiln's end-of-turn token and what the template closes a turn with
+SYSTEM = {"role": "system", "content": "You are a coding agent. Tools: run_shell."}
+TASK = {"role": "user", "content": "List the files, then fix the bug."}
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """Tiny matmuls gain nothing from threads, and on a busy 2-core machine they spin-wait badly."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def tok(tiny_checkpoint):
+    return load_tokenizer(tiny_checkpoint)
+
+
+def render(tok, messages, gen=True):
+    return tok.apply_chat_template(messages, add_generation_prompt=gen)
+
+
+def ending_policy(tiny_checkpoint, tok) -> LocalPolicy:
+    """A greedy policy whose replies end with the end-of-turn token after a few tokens: the
+    untrained model almost never samples it, so its output row is made a copy (slightly scaled)
+    of the token greedy decoding picks fourth."""
+    model, _ = load_checkpoint(tiny_checkpoint)
+    greedy = SamplingParams(temperature=0)
+    first = Engine(model, tok).generate([tok.encode(render(tok, [SYSTEM, TASK]))], SamplingParams(temperature=0, max_tokens=4))
+    with torch.no_grad():
+        model.lm_head.weight[EOS] = 1.01 * model.lm_head.weight[first[0].token_ids[-1]]
+    return LocalPolicy(Engine(model, tok), tok, greedy)
+
+
+def check_turn(rec, tok) -> None:
+    n = len(rec.completion_ids)
+    assert rec.prompt_tokens == len(rec.prompt_ids) and rec.completion_tokens == n > 0
+    assert len(rec.logprobs) == len(rec.versions) == n and set(rec.versions) == {0}
+    assert len(rec.routes) == len(rec.prompt_ids) + n
+    stopped = rec.completion_ids[-1] in (tok.eos_id, tok.endoftext_id)
+    assert rec.finish_reason == ("stop" if stopped else "length")
+    assert rec.text == tok.decode(rec.completion_ids[:-1] if stopped else rec.completion_ids)  # no stop token
+
+
+@pytest.mark.parametrize("ending", ["cut off by max_tokens", "end-of-turn token"])
+def test_each_turn_extends_the_previous_tokens_exactly(tiny_checkpoint, tok, ending):
+    if ending == "end-of-turn token":
+        policy = ending_policy(tiny_checkpoint, tok)
+    else:
+        policy = LocalPolicy.from_checkpoint(tiny_checkpoint, SamplingParams(temperature=1.0, seed=3))
+    messages = [SYSTEM, TASK]
+    t1 = policy.generate(messages, [{"type": "function"}], 12)
+    assert t1.prompt_ids == tok.encode(render(tok, messages))  # the first turn: the rendered conversation
+    check_turn(t1, tok)
+    assert (t1.completion_ids[-1] == EOS) == (ending == "end-of-turn token")
+
+    messages = messages + [
+        {"role": "assistant", "content": t1.text},
+        {"role": "tool", "tool_call_id": "call_0_0", "name": "run_shell", "content": "a.py\nb.py"},
+        {"role": "tool", "tool_call_id": "call_0_1", "name": "run_shell", "content": "exit code: 1"},
+    ]
+    t2 = policy.generate(messages, [], 12)
+    check_turn(t2, tok)
+    head = t1.prompt_ids + t1.completion_ids
+    # the sampled end-of-turn token stands for the closing's start; a cut-off reply gets it all
+    closing = "\n" if t1.completion_ids[-1] == EOS else TURN_END
+    appended = render(tok, messages)[len(render(tok, messages[:3], gen=False)):]  # the tool messages + prompt
+    assert appended.startswith("<|im_start|>user\n<tool_response>") and appended.endswith("<|im_start|>assistant\n")
+    assert t2.prompt_ids == head + tok.encode(closing + appended)
+    assert tok.decode(t2.prompt_ids) == render(tok, messages)
+
+    messages = messages + [{"role": "assistant", "content": t2.text}, {"role": "user", "content": "Go on."}]
+    t3 = policy.generate(messages, [], 12)
+    assert t3.prompt_ids[: len(t2.prompt_ids) + len(t2.completion_ids)] == t2.prompt_ids + t2.completion_ids
+    assert tok.decode(t3.prompt_ids) == render(tok, messages)
+
+
+def test_the_prompt_keeps_the_sampled_tokens_when_the_harness_reformats_the_reply(tiny_checkpoint, tok):
+    policy = LocalPolicy.from_checkpoint(tiny_checkpoint, SamplingParams(temperature=1.0, seed=4))
+    t1 = policy.generate([SYSTEM, TASK], [], 10)
+    # the harness stores a parsed reply; the template renders it its own way
+    reply = {"role": "assistant", "content": "", "reasoning_content": t1.text}
+    messages = [SYSTEM, TASK, reply, {"role": "user", "content": "Use a tool."}]
+    t2 = policy.generate(messages, [], 10)
+    assert t2.prompt_ids[: len(t1.prompt_ids) + len(t1.completion_ids)] == t1.prompt_ids + t1.completion_ids
+    assert tok.decode(t2.prompt_ids) != render(tok, messages)  # what the model saw, not the re-rendering
+    assert tok.decode(t2.prompt_ids).endswith("<|im_start|>user\nUse a tool.<|im_end|>\n<|im_start|>assistant\n")
+
+
+def test_a_new_conversation_starts_fresh(tiny_checkpoint, tok):
+    policy = LocalPolicy.from_checkpoint(tiny_checkpoint, SamplingParams(temperature=1.0, seed=5), speculative=False)
+    t1 = policy.generate([SYSTEM, TASK], [], 8)
+    reply = {"role": "assistant", "content": t1.text}
+    cases = [
+        [SYSTEM, {"role": "user", "content": "Another task."}],  # a new conversation
+        [SYSTEM, {"role": "user", "content": "Resume from this summary: ..."}],  # a self-summary's new segment
+        [SYSTEM, {"role": "user", "content": "Edited task."}, reply, {"role": "user", "content": "Go on."}],
+        [SYSTEM, TASK, reply],  # nothing new after the reply
+    ]
+    for messages in cases:
+        policy.generate([SYSTEM, TASK], [], 8)  # the conversation each case departs from
+        rec = policy.generate(messages, [], 8)
+        assert rec.prompt_ids == tok.encode(render(tok, messages))
+
+
+def test_make_policy_builds_the_local_policy(tiny_checkpoint, tok):
+    policy = make_policy(PolicyConfig(kind="local", checkpoint=str(tiny_checkpoint), temperature=0.5))
+    assert isinstance(policy, LocalPolicy) and policy.name == "local"
+    assert policy.params.temperature == 0.5 and policy.engine.mtp is not None  # the checkpoint's drafter
+    assert policy.count_tokens("def f(x):\n    return x") == len(tok.encode("def f(x):\n    return x"))
+    with pytest.raises(ConfigError, match=r"policy.checkpoint is empty.*set policy.checkpoint=PATH"):
+        make_policy(PolicyConfig(kind="local"))
+
+
+@pytest.fixture(scope="module")
+def box(tcfg, tmp_path_factory):
+    repo = tmp_path_factory.mktemp("repo")
+    (repo / "calc.py").write_text("def add(a, b):\n    return a - b\n")
+    sb = create(Snapshot.from_dir(repo, tcfg.state_dir), tcfg)
+    yield sb
+    sb.close()
+
+
+def test_the_agent_loop_runs_on_the_local_policy(tiny_checkpoint, tok, box):
+    policy = LocalPolicy.from_checkpoint(tiny_checkpoint, SamplingParams(temperature=1.0, seed=0))
+    cfg = HarnessConfig(tools=["read_file", "run_shell"], max_turns=3, max_turn_tokens=24)
+    traj = Agent(policy, box, cfg).run("Fix add in calc.py.")
+    turns = traj.turns
+    assert traj.stop_reason in ("finished", "max_turns") and len(turns) >= 2  # garbage replies are observations
+    assert traj.metadata["errors"] == []
+    for prev, rec in zip([None] + turns, turns):
+        check_turn(rec, tok)
+        assert tok.decode(rec.prompt_ids).startswith(render(tok, traj.segments[0].messages[:2], gen=False))
+        if prev is not None:  # one segment: every turn extends the previous one's tokens
+            assert rec.prompt_ids[: len(prev.prompt_ids) + len(prev.completion_ids)] == prev.prompt_ids + prev.completion_ids
+    # the tool schemas come from the harness's system message only: the template adds no tools block
+    assert tok.decode(turns[0].prompt_ids) == render(tok, traj.segments[0].messages[:2])
