@@ -13,6 +13,9 @@ meaningless). Prompts come from a package held out of training.
 
     .venv/bin/python benchmarks/decode.py [--depth 4] [--train-steps 300] [--mtp-steps 200]
 
+About 15 minutes on 2 cores (training is most of it); the timed decoding runs take the median
+of three.
+
 Last line: `name=value` pairs including speedup_vs_hf_b1, speedup_vs_hf_b8, greedy_identical,
 spec_mean_accepted, spec_speedup, selfdistill_acceptance, hardlabel_acceptance.
 """
@@ -70,7 +73,7 @@ def train_model(model, data, steps: int, device: str) -> float:
         (loss + model.config.router_aux_loss_coef * out.aux_loss).backward()
         opt.step()
     model.eval()
-    return float(loss)
+    return float(loss.detach())
 
 
 def train_mtp(model, mtp, data, steps: int, mode: str, device: str) -> float:
@@ -86,7 +89,7 @@ def train_mtp(model, mtp, data, steps: int, mode: str, device: str) -> float:
         loss.backward()
         opt.step()
     mtp.eval()
-    return float(loss)
+    return float(loss.detach())
 
 
 def timed(fn, repeats: int = 3) -> tuple[float, object]:
@@ -102,8 +105,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--depth", type=int, default=ModelSection().depth)
     ap.add_argument("--vocab", type=int, default=ModelSection().vocab_size)
-    ap.add_argument("--train-steps", type=int, default=300)
-    ap.add_argument("--mtp-steps", type=int, default=200)
+    ap.add_argument("--train-steps", type=int, default=300, help="main model steps of 8 x 256 tokens")
+    ap.add_argument("--mtp-steps", type=int, default=200, help="steps for each MTP head")
     ap.add_argument("--mtp-depth", type=int, default=2)
     ap.add_argument("--tokens", type=int, default=128, help="generated tokens per sequence")
     ap.add_argument("--device", default="cpu", help="cpu or cuda (both engines run there)")
