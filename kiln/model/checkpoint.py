@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 
 from kiln.model.config import ModelConfig
 from kiln.model.moe import MoeForCausalLM
@@ -161,3 +161,32 @@ def _load_into(module: torch.nn.Module, state: dict[str, torch.Tensor], where) -
         if tuple(t.shape) != shapes[name]:
             raise CheckpointError(f"{where}: {name} has shape {tuple(t.shape)}, config wants {shapes[name]}")
     module.load_state_dict(state, assign=True, strict=True)
+
+
+def read_weights(ckpt_dir: Path, model: torch.nn.Module, mtp: torch.nn.Module | None):
+    """(state, mtp_state or None) for `model`/`mtp` from a checkpoint directory, checked name by
+    name and shape by shape. Without mtp.safetensors the served MTP module keeps its weights (it
+    only drafts: stale drafts are rejected more often, never change what is sampled)."""
+    if not ckpt_dir.is_dir():
+        raise CheckpointError(f"{ckpt_dir}: no such checkpoint directory")
+    state = fuse_experts(read_tensors(ckpt_dir))
+    _check_fits(state, model, ckpt_dir)
+    mtp_state = None
+    if mtp is not None and (ckpt_dir / MTP_WEIGHTS).exists():
+        mtp_state = fuse_experts(load_file(str(ckpt_dir / MTP_WEIGHTS)))
+        _check_fits(mtp_state, mtp, ckpt_dir / MTP_WEIGHTS)
+    return state, mtp_state
+
+
+def _check_fits(state: dict[str, torch.Tensor], module: torch.nn.Module, where: Path) -> None:
+    own = module.state_dict()
+    tied = getattr(getattr(module, "config", None), "tie_word_embeddings", False)
+    missing = set(own) - set(state) - ({"lm_head.weight"} if tied else set())
+    unexpected = set(state) - set(own)
+    if missing or unexpected:
+        raise CheckpointError(f"{where}: tensors do not match the served model "
+                              f"(missing {sorted(missing)[:5]}, unexpected {sorted(unexpected)[:5]})")
+    for name, t in state.items():
+        if t.shape != own[name].shape:
+            raise CheckpointError(f"{where}: {name} has shape {tuple(t.shape)}, the served model's is "
+                                  f"{tuple(own[name].shape)}")

@@ -6,7 +6,9 @@ appended since. Re-tokenising the rendered conversation instead would feed the t
 model never produced: the harness keeps a parsed reply (thinking, content and tool calls, which
 the template renders back in its own layout), and BPE may split the same text differently.
 
-One policy object serves one conversation at a time (one agent), on the caller's thread.
+One policy object serves one conversation at a time (one agent). Alone, it steps its engine on
+the caller's thread; given an `EngineRunner`, it only submits and waits, so the policies of many
+concurrent rollouts share one engine and its batches.
 """
 from __future__ import annotations
 
@@ -34,8 +36,9 @@ class _Turn:
 class LocalPolicy:
     name = "local"
 
-    def __init__(self, engine: Engine, tokenizer, params: SamplingParams | None = None):
-        self.engine, self.tok = engine, tokenizer
+    def __init__(self, engine: Engine, tokenizer, params: SamplingParams | None = None, runner=None,
+                 timeout_s: float = 600.0):
+        self.engine, self.tok, self.runner, self.timeout_s = engine, tokenizer, runner, timeout_s
         self.params = params or SamplingParams()
         if self.params.stop:
             raise ValueError("the local policy ends a turn at the end-of-turn token; stop strings would cut "
@@ -73,7 +76,10 @@ class LocalPolicy:
         seed = None if self.params.seed is None else self.params.seed + self._calls
         self._calls += 1
         params = dataclasses.replace(self.params, max_tokens=max_tokens, seed=seed)
-        c = self.engine.generate([prompt], params)[0]
+        if self.runner is None:
+            c = self.engine.generate([prompt], params)[0]
+        else:  # the runner's thread steps the engine; other rollouts' turns share the batch
+            c = self.engine.submit(prompt, params).wait(self.timeout_s)
         ended = c.token_ids[-1] == self.tok.eos_id
         self._last = _Turn(copy.deepcopy(messages), text, prompt + c.token_ids, ended)
         # The text of exactly the tokens (a reply cut inside a character keeps its partial bytes),

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 from safetensors import SafetensorError
 
+from kiln.engine.runner import EngineRunner
 from kiln.harness.format import THINK_OPEN
 from kiln.model.checkpoint import CheckpointError
 
@@ -37,7 +38,6 @@ from .responses import (
     logprob_entries,
     usage,
 )
-from .runner import EngineRunner
 
 
 @dataclass

@@ -31,13 +31,13 @@ from urllib.parse import urlsplit
 import torch
 
 from kiln.engine import Engine
+from kiln.engine.runner import EngineRunner
 from kiln.model.checkpoint import CheckpointError, load_checkpoint
 from kiln.model.tokenizer import load_tokenizer
 
 from .app import App
 from .protocol import APIError
 from .responses import TokenBytes
-from .runner import EngineRunner
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 MAX_BODY = 64 << 20  # a request larger than this is refused before it is read

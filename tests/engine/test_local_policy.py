@@ -2,11 +2,14 @@
 config wiring, and the real agent loop running on it."""
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
+
 import pytest
 import torch
 
 from kiln.config import ConfigError, HarnessConfig, PolicyConfig
 from kiln.engine import Engine, SamplingParams
+from kiln.engine.runner import EngineRunner
 from kiln.harness.agent import Agent
 from kiln.model.checkpoint import load_checkpoint
 from kiln.model.tokenizer import load_tokenizer
@@ -152,3 +155,23 @@ def test_the_agent_loop_runs_on_the_local_policy(tiny_checkpoint, tok, box):
             assert rec.prompt_ids[: len(prev.prompt_ids) + len(prev.completion_ids)] == prev.prompt_ids + prev.completion_ids
     # the tool schemas come from the harness's system message only: the template adds no tools block
     assert tok.decode(turns[0].prompt_ids) == render(tok, traj.segments[0].messages[:2])
+
+
+def test_policies_sharing_a_runner_batch_their_turns(tiny_checkpoint, tok):
+    """Two conversations on two threads through one engine: the runner decodes them together and
+    each gets exactly what it gets alone (seeded sampling is per request)."""
+    model, _ = load_checkpoint(tiny_checkpoint, with_mtp=False)
+    engine = Engine(model, tok, max_batch=4, max_len=1024)
+    params = [SamplingParams(temperature=1.0, seed=s) for s in (11, 12)]
+    chats = [[{"role": "system", "content": "sys"}, {"role": "user", "content": f"task {i}"}] for i in range(2)]
+    alone = [LocalPolicy(engine, tok, p).generate(c, [], 40) for p, c in zip(params, chats)]
+    runner = EngineRunner(engine)
+    runner.start()
+    try:
+        shared = [LocalPolicy(engine, tok, p, runner=runner) for p in params]
+        with ThreadPoolExecutor(2) as pool:
+            together = list(pool.map(lambda pc: pc[0].generate(pc[1], [], 40), zip(shared, chats)))
+    finally:
+        runner.close()
+    assert runner.peak_running == 2
+    assert [r.completion_ids for r in together] == [r.completion_ids for r in alone]

@@ -1,8 +1,9 @@
-"""The one thread that steps the engine, and hot weight loading.
+"""The one thread that steps an engine, and hot weight loading.
 
-Every HTTP request submits to the same engine, so concurrent requests share decoding steps
-(continuous batching). If a step raises, every waiting request is failed with the error and the
-server keeps answering 500s naming it: a dead engine must never leave clients hanging.
+Every caller (HTTP requests in `kiln serve`, rollout threads through the local policy) submits to
+the same engine, so concurrent requests share decoding steps (continuous batching). If a step
+raises, every waiting request is failed with the error, and so is every later one: a dead engine
+must never leave callers hanging.
 """
 from __future__ import annotations
 
@@ -10,15 +11,7 @@ import threading
 import time
 from pathlib import Path
 
-import torch
-from safetensors.torch import load_file
-
-from kiln.model.checkpoint import (
-    MTP_WEIGHTS,
-    CheckpointError,
-    fuse_experts,
-    read_tensors,
-)
+from kiln.model.checkpoint import read_weights
 
 IDLE_POLL_S = 0.05  # how often an idle loop looks at its stop flag
 
@@ -82,31 +75,3 @@ class EngineRunner:
                 time.sleep(0.005)
         return {"version": version, "checkpoint": str(ckpt_dir), "mtp": mtp_state is not None}
 
-
-def read_weights(ckpt_dir: Path, model: torch.nn.Module, mtp: torch.nn.Module | None):
-    """(state, mtp_state or None) for `model`/`mtp` from a checkpoint directory, checked name by
-    name and shape by shape. Without mtp.safetensors the served MTP module keeps its weights (it
-    only drafts: stale drafts are rejected more often, never change what is sampled)."""
-    if not ckpt_dir.is_dir():
-        raise CheckpointError(f"{ckpt_dir}: no such checkpoint directory")
-    state = fuse_experts(read_tensors(ckpt_dir))
-    _check(state, model, ckpt_dir)
-    mtp_state = None
-    if mtp is not None and (ckpt_dir / MTP_WEIGHTS).exists():
-        mtp_state = fuse_experts(load_file(str(ckpt_dir / MTP_WEIGHTS)))
-        _check(mtp_state, mtp, ckpt_dir / MTP_WEIGHTS)
-    return state, mtp_state
-
-
-def _check(state: dict[str, torch.Tensor], module: torch.nn.Module, where: Path) -> None:
-    own = module.state_dict()
-    tied = getattr(getattr(module, "config", None), "tie_word_embeddings", False)
-    missing = set(own) - set(state) - ({"lm_head.weight"} if tied else set())
-    unexpected = set(state) - set(own)
-    if missing or unexpected:
-        raise CheckpointError(f"{where}: tensors do not match the served model "
-                              f"(missing {sorted(missing)[:5]}, unexpected {sorted(unexpected)[:5]})")
-    for name, t in state.items():
-        if t.shape != own[name].shape:
-            raise CheckpointError(f"{where}: {name} has shape {tuple(t.shape)}, the served model's is "
-                                  f"{tuple(own[name].shape)}")
