@@ -63,6 +63,7 @@ class Request:
     pending_routes: torch.Tensor | None = None  # routes of the last forward, until emit knows how many count
     drafts: list[int] = field(default_factory=list)  # speculative: tokens proposed by MTP
     draft_probs: list[torch.Tensor | None] = field(default_factory=list)
+    mtp_tail: torch.Tensor | None = None  # main hidden rows of the last MTP-depth - 1 fed positions
 
     def wait(self, timeout: float | None = None) -> Completion:
         if not self.done.wait(timeout):

@@ -9,7 +9,9 @@ distributed exactly as plain sampling from p.
 
 Then the MTP layers run over the positions just accepted, which extends their own KV cache and
 proposes the next D drafts: layer k at position i reads h^{k-1}_i and the embedding of token i+k.
-Rows past a sequence's accepted length are computed but never attended to later (KVCache).
+At the last D-1 positions, layers k >= 2 can only read draft tokens; the next draft re-runs those
+positions once the tokens are known, so every entry the cache keeps is exact. Rows past a
+sequence's accepted length are computed but never attended to later (KVCache).
 """
 from __future__ import annotations
 
@@ -94,6 +96,13 @@ def draft(engine, start: int, reqs, hidden: torch.Tensor, start_positions: list[
     """Run the MTP layers over the main trunk's `hidden` [B, T, D] (row b at positions
     start_positions[b] + 0..T-1, its first n_valid[b] valid) and set each request's drafts."""
     mtp, model, dev = engine.mtp, engine.model, engine.device
+    # Layer k >= 2 wrote its entries at the last depth-1 positions from draft tokens; re-run those
+    # positions (from the kept main hidden rows) now that their tokens are known.
+    back = min([mtp.depth - 1] + start_positions)
+    if back and all(r.mtp_tail is not None and r.mtp_tail.shape[0] >= back for r in reqs):
+        hidden = torch.cat((torch.stack([r.mtp_tail[-back:] for r in reqs]), hidden), dim=1)
+        start_positions = [s - back for s in start_positions]
+        n_valid = [n + back for n in n_valid]
     b, t, _ = hidden.shape
     pos = torch.tensor(start_positions, device=dev)[:, None] + torch.arange(t, device=dev)
     engine.mtp_cache.begin(start, pos)
@@ -115,6 +124,8 @@ def draft(engine, start: int, reqs, hidden: torch.Tensor, start_positions: list[
                 q = sampling_probs(logits[i], r.params)
                 r.drafts.append(int(torch.multinomial(q, 1, generator=r.gen)))
                 r.draft_probs.append(q)
+    for i, r in enumerate(reqs):
+        r.mtp_tail = hidden[i, max(0, n_valid[i] - (mtp.depth - 1)):n_valid[i]] if mtp.depth > 1 else None
 
 
 def _token_at(seq: list[int], drafts: list[int], i: int) -> int:

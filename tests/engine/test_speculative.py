@@ -66,6 +66,39 @@ def test_greedy_speculative_equals_plain_greedy(models, depth):
     check_stats(engine.spec_stats, depth)
 
 
+def test_mtp_cache_holds_no_entry_computed_from_a_draft(models):
+    """After every step, each MTP layer's cached keys at positions whose input tokens are known
+    equal a fresh MTP pass over the accepted sequence: no entry is left from a rejected draft."""
+    from kiln.engine.kvcache import KVCache
+    from kiln.model.moe import rope_tables
+
+    model, mtp = models  # depth 2: layer 2's last entry is the one a draft could leave behind
+    depth, cfg = mtp.depth, model.config
+    engine = Engine(model, mtp=mtp, max_batch=1)
+    r = engine.submit(PROMPTS[1], SamplingParams(temperature=1.0, seed=0, max_tokens=40))
+    checked = 0
+    while not r.done.is_set():
+        engine.step()
+        if r.done.is_set():
+            break
+        seq, n = r.prompt_ids + r.tokens, r.length  # the last token is known but not yet fed
+        with torch.inference_mode():
+            hidden = model.trunk(torch.tensor([seq[:n]])).hidden
+            fresh = KVCache(depth, 1, n + depth, cfg.num_key_value_heads, cfg.head_dim, torch.float32)
+            pos = torch.arange(n)[None]
+            fresh.begin(0, pos)
+            rope = rope_tables(model.model.inv_freq(hidden.device), pos, hidden.dtype)
+            h = hidden
+            for k, layer in enumerate(mtp.layers, start=1):
+                ids = [seq[i + k] if i + k < len(seq) else 0 for i in range(n)]
+                h = layer(h, mtp.embed(model, torch.tensor([ids])), rope, cache=fresh)
+                final = n - k + 1  # positions whose token i + k is known
+                torch.testing.assert_close(engine.mtp_cache.k[k - 1, 0, :, :final], fresh.k[k - 1, 0, :, :final],
+                                           atol=1e-4, rtol=1e-4)
+        checked += 1
+    assert checked >= 5
+
+
 def oracle_drafter(continuations: dict[tuple, list[int]], wrong=lambda k, j: False):
     """Replaces the MTP drafter: proposes the known greedy continuation (token k + j of the
     completion as draft j), except where `wrong(k, j)`, so tests choose what gets accepted."""
