@@ -136,6 +136,10 @@ def _mount_tasks() -> None:
     from kiln.cli_model import serve, tokenizer_app
     app.add_typer(tokenizer_app, name="tokenizer")
     app.command()(serve)
+    from kiln.cli_pretrain import corpus_app
+    app.add_typer(corpus_app, name="corpus")
+    from kiln.cli_train import pretrain_cmd
+    app.command("pretrain")(pretrain_cmd)
 
 
 _mount_tasks()

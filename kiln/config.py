@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Literal, get_args, get_origin
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from kiln.tomlw import toml_key, toml_value
 
@@ -103,6 +103,85 @@ class ModelSection(Section):
     mtp_depth: int = Field(1, ge=0)  # MTP layers for speculative decoding; 0 = none
 
 
+class CorpusConfig(Section):
+    """`kiln corpus build` (kiln/pretrain/corpus.py). A weight of 1 takes every document once, a
+    fraction a seeded subsample, more than 1 repeats; 0 turns the source off. Weights scale each
+    source's natural share, so code dominates: prose is a small part of what is on disk."""
+    stdlib_weight: float = Field(1.0, ge=0)  # Python's standard library (.py)
+    site_packages_weight: float = Field(1.0, ge=0)  # the installed packages (.py)
+    docs_weight: float = Field(1.0, ge=0)  # documentation prose (.md/.rst/.txt, HTML as text): ~5% of tokens
+    # Where prose is looked for; "stdlib" and "site-packages" name Python's folders; missing ones are skipped.
+    docs_roots: list[str] = ["stdlib", "site-packages", "/usr/share/doc/python3-doc/html"]
+    extra: list[str] = []  # your folders of code: one more source, "extra"
+    extra_weight: float = Field(1.0, ge=0)
+    heldout: str = ""  # the held-out project, never trained on; empty = kiln's own source tree
+    max_mb: float = Field(20.0, gt=0)  # text read, over all sources: keeps a tiny build to seconds
+    max_file_kb: int = Field(1024, ge=1)  # larger files are dropped as oversized (HTML counts its markup)
+    min_file_bytes: int = Field(128, ge=0)  # smaller files are dropped as too short
+    near_dup_threshold: float = Field(0.85, gt=0, le=1)  # estimated Jaccard of word 5-gram sets
+    shard_tokens: int = Field(16_000_000, ge=1)  # tokens per shard file
+    out_dir: str = ""  # empty = <run.out_dir>/<run.name>/corpus
+
+
+PhaseKind = Literal["bulk", "extension", "sft"]
+
+
+class PhaseConfig(Section):
+    """One phase of continued pretraining. Phases run in order on one model and one optimizer."""
+    name: str
+    kind: PhaseKind = "bulk"  # bulk: short context; extension: long context; sft: runs under `kiln sft`
+    steps: int = Field(ge=1)  # optimizer steps
+    seq_len: int = Field(ge=8)  # tokens per packed sequence
+    batch_size: int = Field(ge=1)  # sequences per optimizer step
+    grad_accum: int = Field(1, ge=1)  # micro-batches per step (batch_size / grad_accum sequences each)
+    lr: float = Field(gt=0)  # the phase's peak learning rate
+    warmup_steps: int = Field(0, ge=0)  # linear warmup from the phase's first step up to lr
+    rope_theta: float | None = Field(None, gt=0)  # RoPE base from this phase on; None = keep the model's
+
+    @model_validator(mode="after")
+    def _accum_divides_batch(self):
+        if self.batch_size % self.grad_accum:
+            raise ValueError(f"batch_size ({self.batch_size}) must be a multiple of grad_accum ({self.grad_accum})")
+        return self
+
+
+class PretrainConfig(Section):
+    """`kiln pretrain` (kiln/pretrain/trainer.py). Each phase runs its own schedule: warmup to its lr,
+    then cosine or WSD (warmup-stable-decay) down to min_lr_ratio x lr at its last step, as a phase
+    of continued pretraining restarts from the previous one's weights and optimizer moments. The
+    tiny phases take about 7 minutes on 2 cores (bulk ~2,600 tokens/s, extension with MTP ~1,250);
+    SFT phases are `kiln sft`'s."""
+    phases: list[PhaseConfig] = [
+        PhaseConfig(name="bulk", kind="bulk", steps=180, seq_len=256, batch_size=16, lr=3e-3, warmup_steps=15),
+        PhaseConfig(name="extension", kind="extension", steps=30, seq_len=1024, batch_size=4, lr=1e-3,
+                    warmup_steps=3, rope_theta=40000.0),
+    ]
+    schedule: Literal["cosine", "wsd"] = "cosine"
+    min_lr_ratio: float = Field(0.1, ge=0, le=1)  # each phase ends at min_lr_ratio x its lr
+    decay_frac: float = Field(0.2, ge=0, le=1)  # wsd: the last fraction of a phase's steps decays linearly
+    betas: tuple[float, float] = (0.9, 0.95)  # AdamW
+    weight_decay: float = Field(0.1, ge=0)  # on matrices only (not norms)
+    grad_clip: float = Field(1.0, ge=0)  # max global gradient norm; 0 = no clipping
+    # The MTP module (model.mtp_depth layers) is cut in from scratch at this fraction of the bulk
+    # phase (the report's mid-run checkpoint) and trains jointly, by self-distillation, from the
+    # start of the next phase to the end of the run. Its trunk inputs are detached: it never
+    # changes the main model.
+    mtp_start: float = Field(0.5, ge=0, le=1)
+    eval_points: int = Field(8, ge=0)  # held-out evaluations, log-spaced over the run (plus each phase's end)
+    eval_window: int = Field(256, ge=2)  # context tokens of the rolling window
+    eval_stride: int = Field(192, ge=1)  # new tokens scored per window (<= eval_window)
+    eval_max_bytes: int = Field(48_000, ge=0)  # held-out text scored (its first N bytes); 0 = all of it
+    checkpoint_every: int = Field(50, ge=1)  # steps between resumable states (and at every phase end)
+    device: Literal["auto", "cpu", "cuda"] = "auto"  # auto: cuda when present (bf16 autocast there)
+    seed: int = 0  # data order (windows drawn per (seed, step)) and the MTP's initialisation
+
+    @model_validator(mode="after")
+    def _stride_fits_window(self):
+        if self.eval_stride > self.eval_window:
+            raise ValueError(f"eval_stride ({self.eval_stride}) must be <= eval_window ({self.eval_window})")
+        return self
+
+
 class BenchConfig(Section):
     suite: str = ""  # a folder of task folders
     policy: Literal["oracle", "noop", "openai"] = "oracle"  # oracle and noop are controls for any suite
@@ -117,6 +196,8 @@ class Config(Section):
     harness: HarnessConfig = HarnessConfig()
     policy: PolicyConfig = PolicyConfig()
     model: ModelSection = ModelSection()
+    corpus: CorpusConfig = CorpusConfig()
+    pretrain: PretrainConfig = PretrainConfig()
     bench: BenchConfig = BenchConfig()
 
 
@@ -246,6 +327,8 @@ def _table(model: BaseModel, path: list[str]) -> list[str]:
         if isinstance(value, BaseModel):
             subtables.append((name, value))
         elif value is not None:  # TOML has no null: a missing key means the default
+            if isinstance(value, list) and value and isinstance(value[0], BaseModel):  # [[phases]] as inline tables
+                value = [v.model_dump(exclude_none=True) for v in value]
             lines.append(f"{toml_key(name)} = {toml_value(value)}")
     for name, sub in subtables:  # scalars must come before sub-tables in TOML
         lines += ["", *_table(sub, path + [name])]
