@@ -138,8 +138,9 @@ def _mount_tasks() -> None:
     app.command()(serve)
     from kiln.cli_pretrain import corpus_app
     app.add_typer(corpus_app, name="corpus")
-    from kiln.cli_train import pretrain_cmd
+    from kiln.cli_train import pretrain_cmd, sft_cmd
     app.command("pretrain")(pretrain_cmd)
+    app.command("sft")(sft_cmd)
 
 
 _mount_tasks()

@@ -130,7 +130,9 @@ def export_cmd(suite: Annotated[str, typer.Argument(help="A kiln suite (or one t
 
 
 def bench(suite: Annotated[Optional[str], typer.Option("--suite", help="Suite folder (bench.suite).")] = None,
-          policy: Annotated[Optional[str], typer.Option("--policy", help="oracle, noop or openai (bench.policy).")] = None,
+          policy: Annotated[Optional[str], typer.Option("--policy", help="oracle, noop, openai or local (bench.policy).")] = None,
+          checkpoint: Annotated[Optional[str], typer.Option(
+              "--checkpoint", help="The local policy's kiln checkpoint (policy.checkpoint).")] = None,
           passes: Annotated[Optional[int], typer.Option("--passes", help="Passes per task (bench.passes).")] = None,
           workers: Annotated[Optional[int], typer.Option("--workers", help="Parallel rollouts (bench.workers).")] = None,
           out: Annotated[Optional[str], typer.Option("--out", help="Output folder (bench.out_dir).")] = None,
@@ -138,6 +140,7 @@ def bench(suite: Annotated[Optional[str], typer.Option("--suite", help="Suite fo
     """Run a suite with a policy over several passes; resumable; writes results, summary, report and plots."""
     flags = {"suite": suite, "policy": policy, "passes": passes, "workers": workers, "out_dir": out}
     extra = [f"bench.{k}={v}" if not isinstance(v, str) else f'bench.{k}="{v}"' for k, v in flags.items() if v is not None]
+    extra += [f"policy.checkpoint={checkpoint}"] if checkpoint is not None else []  # a str field: kept as typed
     cfg = resolve(config, extra + (overrides or []), dry_run)
     b = cfg.bench
     if not b.suite:

@@ -1,4 +1,5 @@
-"""`kiln pretrain`: continued pretraining of the run's model on the run's corpus (kiln/pretrain/trainer.py)."""
+"""`kiln pretrain` (continued pretraining on the run's corpus) and `kiln sft` (fine-tuning on agent
+trajectories): kiln/pretrain/trainer.py and sft.py."""
 from __future__ import annotations
 
 import os
@@ -36,4 +37,41 @@ def pretrain_cmd(
     final = summary["final_eval"]
     if final:
         typer.echo(f"held-out: {final['nll_per_token']:.4f} nats/token, {final['bits_per_byte']:.4f} bits/byte")
+    typer.echo(f"checkpoint: {summary['checkpoint']}")
+
+
+def sft_cmd(
+    checkpoint: Annotated[str | None, typer.Option(
+        "--checkpoint", help="The model to fine-tune; default: sft.checkpoint, else <run dir>/pretrain/checkpoint.")] = None,
+    trajectories: Annotated[list[str] | None, typer.Option(
+        "--trajectories", help="Trajectory JSON files or folders (e.g. a `kiln bench` out_dir); repeatable.")] = None,
+    oracle_tasks: Annotated[int | None, typer.Option(
+        "--oracle-tasks", help="Toy train-split tasks the oracle solves for SFT data (default: sft.oracle_tasks).")] = None,
+    overrides: Overrides = None, config: ConfigOpt = None, dry_run: DryRun = False,
+) -> None:
+    """Supervised fine-tuning on agent trajectories (the oracle on toy tasks, plus any given), loss
+    on assistant tokens only; writes <run dir>/sft (the model in checkpoint/)."""
+    extra = [] if oracle_tasks is None else [f"sft.oracle_tasks={oracle_tasks}"]
+    cfg = resolve(config, extra + (overrides or []), dry_run)
+    from kiln.bench.run import BenchError
+    from kiln.model.checkpoint import CheckpointError
+    from kiln.pretrain.sft import sft
+    from kiln.pretrain.sft_data import SftDataError, collect_oracle_trajectories
+    from kiln.pretrain.trainer import PretrainError
+
+    run_root = os.path.join(cfg.run.out_dir, cfg.run.name)
+    ckpt = checkpoint or cfg.sft.checkpoint or os.path.join(run_root, "pretrain", "checkpoint")
+    sources = list(cfg.sft.trajectories) + list(trajectories or [])
+    try:
+        if not os.path.isfile(os.path.join(ckpt, "config.json")):  # before minutes of oracle rollouts
+            raise PretrainError(f"no checkpoint at {ckpt!r}: run `kiln pretrain` first, or pass --checkpoint DIR")
+        if cfg.sft.oracle_tasks:
+            typer.echo(f"collecting oracle trajectories on {cfg.sft.oracle_tasks} toy tasks")
+            sources += [str(p) for p in collect_oracle_trajectories(
+                cfg, os.path.join(run_root, "sft-data"), cfg.sft.oracle_tasks, cfg.sft.oracle_seed)]
+        summary = sft(cfg, ckpt, sources, os.path.join(run_root, "sft"))
+    except (PretrainError, SftDataError, CheckpointError, BenchError) as e:
+        typer.echo(f"error: {e}", err=True)
+        raise typer.Exit(2) from None
+    typer.echo(f"final loss on assistant tokens: {summary['final_loss']:.4f}")
     typer.echo(f"checkpoint: {summary['checkpoint']}")

@@ -97,7 +97,9 @@ class ModelSection(Section):
     """The model's shape (kiln/model/config.py derives the rest from `depth`)."""
     depth: int = Field(4, ge=1)  # layers = depth, width = 64 * depth, heads of 64
     vocab_size: int = Field(8192, ge=265)  # BPE vocabulary: 9 special tokens + 256 bytes at least
-    context: int = Field(2048, ge=16)  # longest sequence (RoPE positions, KV cache)
+    # Longest sequence (RoPE positions, KV cache). 4096: an agent's first prompt (system message with
+    # every tool's schema) is ~2,000 tokens, a whole toy-task rollout ~3,500 (what `kiln sft` trains on).
+    context: int = Field(4096, ge=16)
     experts: int = Field(8, ge=1)
     top_k: int = Field(2, ge=1)
     mtp_depth: int = Field(1, ge=0)  # MTP layers for speculative decoding; 0 = none
@@ -150,11 +152,14 @@ class PretrainConfig(Section):
     then cosine or WSD (warmup-stable-decay) down to min_lr_ratio x lr at its last step, as a phase
     of continued pretraining restarts from the previous one's weights and optimizer moments. The
     tiny phases take about 7 minutes on 2 cores (bulk ~2,600 tokens/s, extension with MTP ~1,250);
-    SFT phases are `kiln sft`'s."""
+    SFT phases are `kiln sft`'s (agent trajectories, from the pretrained checkpoint; the tiny one
+    takes about 3 minutes: one epoch over the oracle's 16 toy rollouts)."""
     phases: list[PhaseConfig] = [
         PhaseConfig(name="bulk", kind="bulk", steps=180, seq_len=256, batch_size=16, lr=3e-3, warmup_steps=15),
         PhaseConfig(name="extension", kind="extension", steps=30, seq_len=1024, batch_size=4, lr=1e-3,
                     warmup_steps=3, rope_theta=40000.0),
+        # A whole toy rollout per row (~3,500 tokens): attention at 4096 makes a step ~20 s on 2 cores.
+        PhaseConfig(name="sft", kind="sft", steps=8, seq_len=4096, batch_size=2, lr=1e-3, warmup_steps=1),
     ]
     schedule: Literal["cosine", "wsd"] = "cosine"
     min_lr_ratio: float = Field(0.1, ge=0, le=1)  # each phase ends at min_lr_ratio x its lr
@@ -182,9 +187,18 @@ class PretrainConfig(Section):
         return self
 
 
+class SftConfig(Section):
+    """`kiln sft`'s data; its training settings are pretrain.phases' phases of kind "sft"."""
+    oracle_tasks: int = Field(16, ge=0)  # toy train-split tasks the oracle solves for SFT data; 0 = none
+    oracle_seed: int = Field(0, ge=0)  # the first toy task index (train and eval tasks never overlap)
+    trajectories: list[str] = []  # more trajectory files or folders (e.g. a `kiln bench` out_dir)
+    checkpoint: str = ""  # the model to fine-tune; empty = <run dir>/pretrain/checkpoint
+
+
 class BenchConfig(Section):
     suite: str = ""  # a folder of task folders
-    policy: Literal["oracle", "noop", "openai"] = "oracle"  # oracle and noop are controls for any suite
+    # oracle and noop are controls for any suite; local decodes policy.checkpoint on one shared engine
+    policy: Literal["oracle", "noop", "openai", "local"] = "oracle"
     passes: int = Field(3, ge=1)  # best-of-K is reported for K = 1..passes
     workers: int = Field(2, ge=1)  # rollouts in parallel
     out_dir: str = ""  # empty = <run.out_dir>/<run.name>/bench-<policy>
@@ -198,6 +212,7 @@ class Config(Section):
     model: ModelSection = ModelSection()
     corpus: CorpusConfig = CorpusConfig()
     pretrain: PretrainConfig = PretrainConfig()
+    sft: SftConfig = SftConfig()
     bench: BenchConfig = BenchConfig()
 
 

@@ -5,6 +5,10 @@ of the task's snapshot, graded on all four axes. A finished rollout is one line 
 results.jsonl (see results.py); restarting with the same out_dir skips those and redoes only
 what never finished. Rollouts that raise (endpoint down, sandbox failure) are logged to
 errors.jsonl and retried by the next run; several in a row abort the run.
+
+The local policy (a kiln checkpoint) loads the checkpoint once: one engine, stepped by one
+EngineRunner thread, decodes the turns of every rollout in flight together (continuous batching),
+each rollout talking to it through its own LocalPolicy.
 """
 from __future__ import annotations
 
@@ -27,7 +31,7 @@ from kiln.tasks.record import Task, load_suite
 from .metrics import summarize
 from .results import ResultLog, key
 
-POLICIES = ("oracle", "noop", "openai")
+POLICIES = ("oracle", "noop", "openai", "local")
 MAX_CONSECUTIVE_ERRORS = 5
 
 
@@ -35,8 +39,9 @@ class BenchError(RuntimeError):
     """The benchmark cannot run (bad policy, mismatched out_dir) or was aborted by errors."""
 
 
-def make_bench_policy(name: str, task: Task, pass_idx: int, config):
-    """-> (policy, seed). The oracle's seed varies by pass and task, so passes differ."""
+def make_bench_policy(name: str, task: Task, pass_idx: int, config, runner=None):
+    """-> (policy, seed). The seed varies by pass and task, so passes differ; it seeds the oracle's
+    choices and the local policy's sampling. `runner`: the shared engine of the local policy."""
     seed = config.policy.seed + 1000 * pass_idx + zlib.crc32(task.id.encode()) % 1000
     if name == "noop":
         from kiln.policies.noop import NoopPolicy
@@ -44,6 +49,14 @@ def make_bench_policy(name: str, task: Task, pass_idx: int, config):
     if name == "oracle":
         from kiln.policies.oracle import OraclePolicy
         return OraclePolicy(task.solution, task.test_command, seed=seed), seed
+    if name == "local":
+        if runner is None:
+            raise ValueError("the local policy in a benchmark decodes on a shared engine: pass its runner")
+        from kiln.engine import SamplingParams
+        from kiln.policies.local import LocalPolicy
+        params = SamplingParams(temperature=config.policy.temperature, seed=seed)
+        return LocalPolicy(runner.engine, runner.engine.tok, params, runner=runner,
+                           timeout_s=config.policy.timeout_s), seed
     from kiln.policies import make_policy
     return make_policy(config.policy.model_copy(update={"kind": name})), seed
 
@@ -78,10 +91,11 @@ class _Snapshots:
             snap.drop()
 
 
-def run_rollout(task: Task, pass_idx: int, policy_name: str, config, snapshot: Snapshot, out_dir: str) -> dict:
+def run_rollout(task: Task, pass_idx: int, policy_name: str, config, snapshot: Snapshot, out_dir: str,
+                runner=None) -> dict:
     """One graded rollout -> its results row; the trajectory (with every grade) goes to disk."""
     t0 = time.monotonic()
-    policy, seed = make_bench_policy(policy_name, task, pass_idx, config)
+    policy, seed = make_bench_policy(policy_name, task, pass_idx, config, runner)
     path = os.path.join(out_dir, "trajectories", f"{task.id}.p{pass_idx}.json")
     with create(snapshot, config.sandbox) as sb:
         t1 = time.monotonic()
@@ -103,7 +117,9 @@ def run_rollout(task: Task, pass_idx: int, policy_name: str, config, snapshot: S
 def _check_identity(out_dir: str, suite_dir: str, policy_name: str, config) -> None:
     """A resumed run must be the same suite and policy, or the rows would mix two benchmarks."""
     ident = {"suite": os.path.abspath(suite_dir), "policy": policy_name}
-    if policy_name not in ("oracle", "noop"):
+    if policy_name == "local":
+        ident["checkpoint"] = os.path.abspath(config.policy.checkpoint)
+    elif policy_name not in ("oracle", "noop"):
         ident["model"] = config.policy.model
     path = os.path.join(out_dir, "bench.json")
     if os.path.exists(path):
@@ -116,9 +132,16 @@ def _check_identity(out_dir: str, suite_dir: str, policy_name: str, config) -> N
         json.dump(ident, f, indent=2)
 
 
-def _check_policy(policy_name: str, tasks: list[Task]) -> None:
+def _check_policy(policy_name: str, tasks: list[Task], config) -> None:
     if policy_name not in POLICIES:
         raise BenchError(f"unknown policy {policy_name!r}; use one of {', '.join(POLICIES)}")
+    if policy_name == "local":
+        ckpt = config.policy.checkpoint
+        if not ckpt:
+            raise BenchError("the local policy decodes a kiln checkpoint: set policy.checkpoint=PATH "
+                             "(or pass --checkpoint PATH to `kiln bench`)")
+        if not os.path.isdir(ckpt):
+            raise BenchError(f"policy.checkpoint {ckpt!r}: no such checkpoint directory")
     if policy_name == "oracle":
         missing = [t.id for t in tasks if not t.solution]
         if missing:
@@ -134,7 +157,7 @@ def run_bench(suite_dir: str, policy_name: str, passes: int = 1, workers: int = 
     if passes < 1 or workers < 1:
         raise ValueError(f"passes ({passes}) and workers ({workers}) must be >= 1")
     tasks = load_suite(suite_dir)
-    _check_policy(policy_name, tasks)
+    _check_policy(policy_name, tasks, config)
     os.makedirs(os.path.join(out_dir, "trajectories"), exist_ok=True)
     _check_identity(out_dir, suite_dir, policy_name, config)
     log = ResultLog(os.path.join(out_dir, "results.jsonl"))
@@ -143,10 +166,15 @@ def run_bench(suite_dir: str, policy_name: str, passes: int = 1, workers: int = 
     wanted = {key(t.id, p) for t in tasks for p in range(passes)}
     skipped = len(wanted & log.done)
     start, errors, consecutive, aborted = time.monotonic(), 0, 0, ""
+    try:  # loaded only when there is work: a resumed run with nothing left needs no model
+        runner = start_engine(config.policy.checkpoint, workers) if policy_name == "local" and todo else None
+    except BaseException:
+        log.close()
+        raise
 
     def one(task: Task, p: int) -> dict:
         try:
-            return run_rollout(task, p, policy_name, config, snaps.get(task), out_dir)
+            return run_rollout(task, p, policy_name, config, snaps.get(task), out_dir, runner)
         finally:
             snaps.release(task)
 
@@ -180,16 +208,44 @@ def run_bench(suite_dir: str, policy_name: str, passes: int = 1, workers: int = 
         _cancel(pending)
         raise
     finally:
-        ex.shutdown(wait=True)
+        ex.shutdown(wait=True)  # rollouts still running finish on the engine before it stops
+        if runner is not None:
+            runner.close()
         bar.close()
         log.close()
         snaps.close()
     rows = [r for r in log.rows if key(r["task_id"], r["pass"]) in wanted]  # a longer run may share the log
+    # The local policy's engine: how many sequences it decoded together at most (batching at work).
+    engine = {} if runner is None else {"engine": {"max_batch": runner.engine.max_batch,
+                                                   "peak_batch": runner.peak_running}}
     summary = write_outputs(out_dir, rows, len(tasks), passes, suite=os.path.abspath(suite_dir),
-                            policy=policy_name, errors=errors, skipped=skipped, wall_s=time.monotonic() - start)
+                            policy=policy_name, errors=errors, skipped=skipped, wall_s=time.monotonic() - start,
+                            **engine)
     if aborted:
         raise BenchError(f"benchmark aborted: {aborted} (see {out_dir}/errors.jsonl; finished rollouts are kept)")
     return summary
+
+
+def start_engine(checkpoint: str, max_batch: int):
+    """The checkpoint's model (with its MTP drafter: speculative decoding) and tokenizer in one
+    engine (on the GPU when there is one), batching up to max_batch sequences, on a started
+    EngineRunner; the caller closes it."""
+    import torch
+
+    from kiln.engine import Engine
+    from kiln.engine.runner import EngineRunner
+    from kiln.model.checkpoint import load_checkpoint
+    from kiln.model.tokenizer import load_tokenizer
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    try:
+        model, mtp = load_checkpoint(checkpoint, device=device)
+        tok = load_tokenizer(checkpoint)
+    except (ValueError, OSError) as e:  # CheckpointError is a ValueError
+        raise BenchError(f"policy.checkpoint {checkpoint!r} cannot be loaded: {e}") from None
+    runner = EngineRunner(Engine(model, tok, mtp, max_batch=max_batch))
+    runner.start()
+    return runner
 
 
 def _cancel(pending: set) -> set:

@@ -6,7 +6,8 @@ and attention stops at every <|endoftext|>; loss = next-token cross-entropy + ro
 x the Switch balance loss; AdamW at the phase's scheduled rate, global gradient-norm clipping.
 
 Phases: bulk at a short sequence length; extension with longer sequences and the RoPE base the
-phase names (set when it starts). Phases of kind "sft" are left to `kiln sft` (agent trajectories).
+phase names (set when it starts). Phases of kind "sft" are `kiln sft`'s (sft.py): the same step
+on packed agent trajectories (sft_data.py), from a checkpoint, loss on assistant tokens only.
 
 MTP, the report's recipe kept simple: the module (model.mtp_depth layers) is created from scratch
 when the run reaches `mtp_start` of the first bulk phase (a state is saved there: the mid-bulk
@@ -66,6 +67,12 @@ class Run:
     tokens_seen: int = 0
     wall: float = 0.0  # seconds since the run started, evaluations and saves included, summed over resumes
     train_s: float = 0.0  # seconds spent in training steps alone (what tokens/s is measured over)
+    started: float | None = None  # monotonic time the run would have started without interruptions
+
+    def tick(self) -> None:
+        if self.started is None:
+            self.started = time.monotonic() - self.wall
+        self.wall = time.monotonic() - self.started
 
 
 def pretrain(cfg, corpus_dir, tokenizer_dir, run_dir, init: str | None = None, progress: bool = True) -> dict:
@@ -78,7 +85,7 @@ def pretrain(cfg, corpus_dir, tokenizer_dir, run_dir, init: str | None = None, p
         if ph.kind == "sft":
             tqdm.write(f"phase {ph.name!r} is an SFT phase: `kiln sft` runs it, not `kiln pretrain`")
     shards, tok, heldout = _inputs(cfg, Path(corpus_dir), tokenizer_dir)
-    device = torch.device("cuda" if p.device == "cuda" or (p.device == "auto" and torch.cuda.is_available()) else "cpu")
+    device, autocast = _device(p)
     fingerprint = json.dumps({"pretrain": {**p.model_dump(mode="json", exclude=_RESUMABLE_EDITS), "phases":
                                            [ph.model_dump(mode="json") for ph in phases]},
                               "model": {"init": str(Path(init).resolve())} if init else cfg.model.model_dump(mode="json"),
@@ -101,20 +108,16 @@ def pretrain(cfg, corpus_dir, tokenizer_dir, run_dir, init: str | None = None, p
     eval_at = set(log_spaced_steps(phases[0].warmup_steps, total, p.eval_points)) | set(starts[1:])
     if heldout is None:
         eval_at = set()
-    autocast = (torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else contextlib.nullcontext())
 
-    clock, wall0 = time.monotonic(), run.wall
-
-    def tick() -> None:
-        run.wall = wall0 + time.monotonic() - clock
+    run.tick()
 
     def save() -> None:
-        tick()
+        run.tick()
         ckpt.save_state(run_dir, run.model, run.mtp, tokenizer_dir, _trainer_state(run, fingerprint))
 
     def evaluate(phase: str) -> None:
         r = heldout_eval(run.model, tok, heldout, p.eval_window, p.eval_stride, endoftext_id=tok.endoftext_id)
-        tick()
+        run.tick()
         metrics.append({"kind": "eval", "step": run.step, "phase": phase, "tokens_seen": run.tokens_seen,
                         **r, "wall": round(run.wall, 3)})
         tqdm.write(f"eval @ step {run.step} ({run.tokens_seen:,} tokens): held-out loss {r['nll_per_token']:.4f} "
@@ -136,26 +139,20 @@ def pretrain(cfg, corpus_dir, tokenizer_dir, run_dir, init: str | None = None, p
                     when = "from the next phase" if train_from > run.step else "from now"
                     tqdm.write(f"MTP: {run.mtp.depth} layer(s) attached at step {run.step}, trained {when}")
                     save()
-                lr = lr_at(run.step - start, ph.steps, ph.lr, ph.warmup_steps, p.min_lr_ratio, p.schedule, p.decay_frac)
                 train_mtp = run.mtp is not None and run.step >= train_from
-                t0 = time.perf_counter()
-                batch = shards.batch(run.step, ph.batch_size, ph.seq_len, p.seed)
-                row = _step(run, batch, lr, train_mtp, p.grad_clip, shards.endoftext_id, ph.grad_accum, device, autocast)
-                dt = time.perf_counter() - t0
-                run.step += 1
-                run.tokens_seen += ph.batch_size * ph.seq_len
-                run.train_s += dt
-                tick()
-                metrics.append({"kind": "train", "step": run.step, "phase": ph.name, "lr": lr, **row,
-                                "tokens_seen": run.tokens_seen, "tokens_per_s": round(ph.batch_size * ph.seq_len / dt, 1),
-                                "wall": round(run.wall, 3)})
-                bar.update(1)
-                bar.set_postfix(phase=ph.name, loss=f"{row['loss']:.3f}", tok_s=f"{ph.batch_size * ph.seq_len / dt:.0f}")
+                _train_step(run, ph, start, p, lambda ph=ph: _windows(shards, run.step, ph, p.seed), train_mtp,
+                            device, autocast, metrics, bar)
                 if run.step in eval_at:
                     evaluate(ph.name)
                 if run.step % p.checkpoint_every == 0 or run.step == end:
                     save()
     return _finish(run, run_dir, tokenizer_dir, metrics, [ph.name for ph in phases])
+
+
+def _device(p) -> tuple[torch.device, contextlib.AbstractContextManager]:
+    """The training device, and bf16 autocast on a GPU (none on a CPU)."""
+    device = torch.device("cuda" if p.device == "cuda" or (p.device == "auto" and torch.cuda.is_available()) else "cpu")
+    return device, (torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else contextlib.nullcontext())
 
 
 def _inputs(cfg, corpus_dir: Path, tokenizer_dir: Path):
@@ -261,9 +258,38 @@ def _attach_mtp(run: Run, depth: int, p, device: torch.device) -> None:
     run.mtp, run.mtp_opt = mtp.to(device).train(), _adamw(mtp, p)
 
 
-def _step(run: Run, batch: torch.Tensor, lr: float, train_mtp: bool, clip: float, eot: int,
-          accum: int, device: torch.device, autocast) -> dict:
-    """One optimizer step over `accum` micro-batches; returns the row's loss fields."""
+def _windows(shards: TokenShards, step: int, ph, seed: int) -> tuple:
+    """A pretraining batch: corpus windows, documents split at every <|endoftext|>, every token a target."""
+    ids = shards.batch(step, ph.batch_size, ph.seq_len, seed)
+    docs, pos = doc_ids(ids, shards.endoftext_id)
+    return ids, docs, pos, None
+
+
+def _train_step(run: Run, ph, start: int, p, make_batch, train_mtp: bool, device, autocast,
+                metrics: ckpt.MetricsLog, bar) -> None:
+    """One optimizer step of phase `ph` (which began at step `start`) on make_batch()'s batch, logged."""
+    lr = lr_at(run.step - start, ph.steps, ph.lr, ph.warmup_steps, p.min_lr_ratio, p.schedule, p.decay_frac)
+    t0 = time.perf_counter()
+    batch = make_batch()
+    row = _step(run, batch, lr, train_mtp, p.grad_clip, ph.grad_accum, device, autocast)
+    dt = time.perf_counter() - t0
+    tokens = batch[0][:, :-1].numel()
+    run.step += 1
+    run.tokens_seen += tokens
+    run.train_s += dt
+    run.tick()
+    metrics.append({"kind": "train", "step": run.step, "phase": ph.name, "lr": lr, **row,
+                    "tokens_seen": run.tokens_seen, "tokens_per_s": round(tokens / dt, 1), "wall": round(run.wall, 3)})
+    bar.update(1)
+    bar.set_postfix(phase=ph.name, loss=f"{row['loss']:.3f}", tok_s=f"{tokens / dt:.0f}")
+
+
+def _step(run: Run, batch: tuple, lr: float, train_mtp: bool, clip: float, accum: int, device: torch.device,
+          autocast) -> dict:
+    """One optimizer step over `accum` micro-batches of batch = (ids, docs, positions, mask), each
+    [B, T + 1]: token t + 1 is the target at t where mask (None: all ones) is 1 at t + 1. The loss
+    is the mean over the whole batch's targets, so splitting it into micro-batches changes nothing.
+    Returns the row's loss fields."""
     model, mtp = run.model, run.mtp
     opts = [run.opt] + ([run.mtp_opt] if train_mtp else [])
     for opt in opts:
@@ -272,20 +298,23 @@ def _step(run: Run, batch: torch.Tensor, lr: float, train_mtp: bool, clip: float
         opt.zero_grad(set_to_none=True)
     coef = model.config.router_aux_loss_coef
     sums = {"loss": 0.0, "aux": 0.0, "mtp_loss": 0.0}
-    for mb in batch.to(device).chunk(accum):
-        x, y = mb[:, :-1], mb[:, 1:]
-        docs, pos = doc_ids(x, eot)
+    ids, docs, pos, mask = (t if t is None else t.to(device) for t in batch)
+    targets = ids[:, 1:] if mask is None else ids[:, 1:].masked_fill(mask[:, 1:] == 0, -100)
+    n_targets = max(1, int((targets != -100).sum()))
+    for x, y, d, ps in zip(*(t.chunk(accum) for t in (ids[:, :-1], targets, docs[:, :-1], pos[:, :-1]))):
         with autocast:
-            out = model.trunk(x, positions=pos, doc_ids=docs)
+            out = model.trunk(x, positions=ps, doc_ids=d)
             logits = model.head(out.hidden)
-            loss = F.cross_entropy(logits.flatten(0, 1).float(), y.flatten())
-            total = loss if out.aux_loss is None else loss + coef * out.aux_loss
-            if train_mtp:
-                m_loss, _ = mtp_loss(logits, mtp(model, out.hidden, x, pos, docs), x, docs)
-                total = total + m_loss
+            # Summed and divided by the batch's target count: this micro-batch's share of the mean.
+            loss = F.cross_entropy(logits.flatten(0, 1).float(), y.flatten(), ignore_index=-100,
+                                   reduction="sum") / n_targets
+            total = loss if out.aux_loss is None else loss + coef * out.aux_loss / accum
+            if train_mtp:  # self-distillation at every position, prompts included: it copies the head
+                m_loss, _ = mtp_loss(logits, mtp(model, out.hidden, x, ps, d), x, d)
+                total = total + m_loss / accum
                 sums["mtp_loss"] += float(m_loss.detach()) / accum
-        (total / accum).backward()
-        sums["loss"] += float(loss.detach()) / accum
+        total.backward()
+        sums["loss"] += float(loss.detach())
         sums["aux"] += 0.0 if out.aux_loss is None else float(out.aux_loss.detach()) / accum
     # Clipped apart: the MTP's gradients never scale the main model's step.
     norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip if clip > 0 else math.inf)
@@ -296,7 +325,8 @@ def _step(run: Run, batch: torch.Tensor, lr: float, train_mtp: bool, clip: float
     return {**sums, "mtp_loss": sums["mtp_loss"] if train_mtp else None, "grad_norm": float(norm)}
 
 
-def _finish(run: Run, run_dir: Path, tokenizer_dir: Path, metrics: ckpt.MetricsLog, phases: list[str]) -> dict:
+def _finish(run: Run, run_dir: Path, tokenizer_dir: Path, metrics: ckpt.MetricsLog, phases: list[str],
+            what: str = "pretrain") -> dict:
     """The final checkpoint, the fit of held-out loss against ln(tokens), its plot, summary.json."""
     final = ckpt.write_dir_atomically(run_dir / "checkpoint", lambda d: save_checkpoint(run.model, d, mtp=run.mtp,
                                                                                   tokenizer_dir=tokenizer_dir))
@@ -315,5 +345,5 @@ def _finish(run: Run, run_dir: Path, tokenizer_dir: Path, metrics: ckpt.MetricsL
                "fit": dict(zip(("slope", "intercept", "r2"), fit)) if fit else None, "mtp": run.mtp is not None,
                "checkpoint": str(final), "metrics": str(metrics.path), "plot": plot}
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-    tqdm.write(f"pretrain: {run.step} steps, {run.tokens_seen:,} tokens in {run.wall:.0f} s -> {final}")
+    tqdm.write(f"{what}: {run.step} steps, {run.tokens_seen:,} tokens in {run.wall:.0f} s -> {final}")
     return summary

@@ -1,0 +1,57 @@
+"""run_bench with the local policy: a kiln checkpoint loaded once, two rollouts decoding on one
+shared engine, token data in every trajectory; a missing checkpoint fails before anything runs."""
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+from kiln.bench import BenchError, run_bench
+from kiln.bench.results import read_rows
+from kiln.config import Config, HarnessConfig, PolicyConfig
+from kiln.tasks.toy import generate_toy
+
+
+@pytest.fixture(scope="module")
+def suite(tmp_path_factory, tcfg):
+    out = str(tmp_path_factory.mktemp("lsuite"))
+    assert generate_toy(out, 2, level=1, sandbox_cfg=tcfg, progress=False).kept == 2
+    return out
+
+
+def local_config(tcfg, checkpoint) -> Config:
+    # Two tools keep the system prompt short; an untrained model's replies are cut at 16 tokens.
+    return Config(sandbox=tcfg.model_copy(update={"timeout_s": 30, "idle_timeout_s": 20}),
+                  harness=HarnessConfig(tools=["read_file", "run_shell"], max_turns=3, max_turn_tokens=16),
+                  policy=PolicyConfig(kind="local", checkpoint=str(checkpoint), temperature=1.0))
+
+
+def test_two_rollouts_share_one_engine_and_keep_token_data(suite, tcfg, tiny_checkpoint, tmp_path):
+    out = str(tmp_path / "bench")
+    s = run_bench(suite, "local", passes=1, workers=2, out_dir=out, config=local_config(tcfg, tiny_checkpoint),
+                  progress=False)
+    rows = read_rows(os.path.join(out, "results.jsonl"))
+    assert sorted(r["task_id"] for r in rows) == sorted(os.listdir(suite)) and s["errors"] == 0
+    assert {r["policy"] for r in rows} == {"local"}
+    assert s["engine"] == {"max_batch": 2, "peak_batch": 2}  # both rollouts decoded in one batch
+    for r in rows:
+        with open(os.path.join(out, r["trajectory"])) as f:
+            traj = json.load(f)
+        turns = [t for seg in traj["segments"] for t in seg["turns"]]
+        assert turns and traj["metadata"]["bench"]["policy"] == "local"
+        for t in turns:
+            assert t["prompt_ids"] and 0 < len(t["completion_ids"]) <= 16
+            assert len(t["logprobs"]) == len(t["completion_ids"])
+            assert all(lp <= 0 for lp in t["logprobs"])
+    with open(os.path.join(out, "bench.json")) as f:  # a resumed run must use the same checkpoint
+        assert json.load(f)["checkpoint"] == os.path.abspath(tiny_checkpoint)
+
+
+def test_a_missing_checkpoint_is_a_clear_error(suite, tcfg, tmp_path):
+    with pytest.raises(BenchError, match=r"policy.checkpoint .*nowhere.*: no such checkpoint directory"):
+        run_bench(suite, "local", out_dir=str(tmp_path / "b1"), config=local_config(tcfg, tmp_path / "nowhere"),
+                  progress=False)
+    with pytest.raises(BenchError, match=r"set policy.checkpoint=PATH \(or pass --checkpoint PATH"):
+        run_bench(suite, "local", out_dir=str(tmp_path / "b2"), config=local_config(tcfg, ""), progress=False)
+    assert not os.path.exists(tmp_path / "b1")  # refused before writing anything
