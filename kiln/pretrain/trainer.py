@@ -302,6 +302,7 @@ def _step(run: Run, batch: tuple, lr: float, train_mtp: bool, clip: float, accum
     targets = ids[:, 1:] if mask is None else ids[:, 1:].masked_fill(mask[:, 1:] == 0, -100)
     n_targets = max(1, int((targets != -100).sum()))
     for x, y, d, ps in zip(*(t.chunk(accum) for t in (ids[:, :-1], targets, docs[:, :-1], pos[:, :-1]))):
+        ps, d = unpacked(ps, d)
         with autocast:
             out = model.trunk(x, positions=ps, doc_ids=d)
             logits = model.head(out.hidden)
@@ -323,6 +324,16 @@ def _step(run: Run, batch: tuple, lr: float, train_mtp: bool, clip: float, accum
     for opt in opts:
         opt.step()
     return {**sums, "mtp_loss": sums["mtp_loss"] if train_mtp else None, "grad_norm": float(norm)}
+
+
+def unpacked(positions: torch.Tensor, docs: torch.Tensor):
+    """(positions, doc_ids) for the trunk, or (None, None) when every row is one document starting
+    at position 0, followed at most by padding (doc id -1, which causal attention already keeps out
+    of the real tokens): then attention takes SDPA's causal path, not an explicit [B, T, T] mask."""
+    first = docs[:, :1]
+    if bool((first >= 0).all() and ((docs == first) | (docs < 0)).all() and (positions[:, 0] == 0).all()):
+        return None, None
+    return positions, docs
 
 
 def _finish(run: Run, run_dir: Path, tokenizer_dir: Path, metrics: ckpt.MetricsLog, phases: list[str],

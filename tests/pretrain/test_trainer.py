@@ -242,3 +242,24 @@ def test_cli_dry_run_shows_the_phases():
     result = CliRunner().invoke(app, ["pretrain", "--dry-run", "pretrain.mtp_start=0.25"])
     assert result.exit_code == 0, result.output
     assert "[pretrain]" in result.stdout and 'name = "extension"' in result.stdout and "mtp_start = 0.25" in result.stdout
+
+
+def test_rows_without_a_document_boundary_skip_the_attention_mask():
+    """One document per row from position 0, trailing padding allowed: no mask, and the logits of
+    the real tokens are the masked path's; a boundary inside a row or a window starting mid-way
+    keeps the mask."""
+    from tests.tiny_model import tiny_model
+
+    model, _ = tiny_model(0)
+    ids = torch.randint(0, 512, (2, 12))
+    docs = torch.tensor([[0] * 12, [0] * 9 + [-1] * 3])
+    pos = torch.arange(12).expand(2, 12)
+    assert trainer.unpacked(pos, docs) == (None, None)
+    with torch.no_grad():
+        masked = model(ids, positions=pos, doc_ids=docs)
+        plain = model(ids)
+    torch.testing.assert_close(plain[0], masked[0], atol=1e-5, rtol=0)
+    torch.testing.assert_close(plain[1, :9], masked[1, :9], atol=1e-5, rtol=0)
+    two = torch.tensor([[0] * 6 + [1] * 6])
+    assert trainer.unpacked(pos[:1], two)[1] is two
+    assert trainer.unpacked(pos[:1] + 3, docs[:1])[0] is not None
