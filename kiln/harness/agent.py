@@ -31,6 +31,15 @@ class Stop(Exception):
     """A limit was reached; the rollout ends with this reason."""
 
 
+class ContextFull(Stop):
+    """Raised by a policy whose context window cannot hold another reply: the rollout ends with
+    stop reason "context" instead of failing."""
+
+    def __init__(self, detail: str = ""):
+        super().__init__("context")
+        self.detail = detail
+
+
 class Agent:
     def __init__(self, policy, sandbox, config, tools: dict | None = None, services: dict | None = None,
                  on_message=None):

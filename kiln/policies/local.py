@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kiln.engine import Engine, SamplingParams
+from kiln.harness.agent import ContextFull
 from kiln.harness.trajectory import TurnRecord
 
 _PROBE = "\x00kiln-probe\x00"  # text no real reply contains, to find where the template closes a turn
@@ -71,6 +72,9 @@ class LocalPolicy:
         prompt = self._continuation(messages, text)
         if prompt is None:  # a new conversation, or a self-summary's fresh segment
             prompt = self.tok.encode(text)
+        lookahead = self.engine.mtp.depth if self.engine.mtp is not None else 0  # draft positions
+        if len(prompt) + lookahead + 1 >= self.engine.max_len:
+            raise ContextFull(f"the prompt has {len(prompt)} tokens; the engine's context is {self.engine.max_len}")
         # A seeded policy is reproducible, but each call draws from its own stream (seed + call
         # number): one seed for every turn would repeat the same random choices turn after turn.
         seed = None if self.params.seed is None else self.params.seed + self._calls

@@ -175,3 +175,16 @@ def test_policies_sharing_a_runner_batch_their_turns(tiny_checkpoint, tok):
         runner.close()
     assert runner.peak_running == 2
     assert [r.completion_ids for r in together] == [r.completion_ids for r in alone]
+
+
+def test_a_full_context_ends_the_rollout_with_stop_reason_context(tiny_checkpoint, tok, box):
+    """The engine's context holds the first prompt and a reply but not the next prompt: the rollout
+    stops with "context" instead of failing on the engine's refusal."""
+    model, _ = load_checkpoint(tiny_checkpoint, with_mtp=False)
+    cfg = HarnessConfig(tools=["read_file", "run_shell"], max_turns=5, max_turn_tokens=16)
+    probe = Agent(LocalPolicy(Engine(model, tok), tok, SamplingParams(seed=0)), box, cfg)
+    first = probe.run("Fix add in calc.py.").turns[0].prompt_tokens
+    engine = Engine(model, tok, max_len=first + 24)  # room for one 16-token reply, not for the next prompt
+    traj = Agent(LocalPolicy(engine, tok, SamplingParams(seed=0)), box, cfg).run("Fix add in calc.py.")
+    assert traj.stop_reason == "context" and len(traj.turns) == 1
+    assert traj.metadata["errors"] == []
