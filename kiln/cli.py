@@ -20,7 +20,7 @@ HELP = (
 )
 
 # Stages `speedrun` does not run yet; it names them so a run says what it skipped.
-PLANNED = ["corpus", "pretrain", "sft", "rl", "bench of a trained model"]  # `agent` exists but is interactive
+PLANNED = ["rl"]  # `agent` exists but is interactive
 
 # Plain tracebacks: complete and greppable in CI logs.
 app = typer.Typer(name="kiln", help=HELP, add_completion=False, pretty_exceptions_enable=False)
@@ -67,19 +67,26 @@ def main(ctx: typer.Context, config: ConfigOpt = None, dry_run: DryRun = False) 
 
 @app.command()
 def speedrun(overrides: Overrides = None, config: ConfigOpt = None, dry_run: DryRun = False) -> None:
-    """Run every stage that exists, end to end, on one config."""
+    """Run every stage that exists, end to end, on one config: sandbox demo, tokenizer, corpus,
+    pretrain, SFT, and a bench of the SFT model against the controls on held-out toy tasks; writes
+    <run dir>/report.md. Stages resume where an interrupted run stopped."""
     cfg = resolve(config, overrides, dry_run)
     from kiln.sandbox.demo import run_demo
 
     typer.echo("== sandbox demo")
     run_demo(cfg)
-    from kiln.speedrun import eval_controls, train_run_tokenizer
+    from kiln.bench.run import BenchError
+    from kiln.model.checkpoint import CheckpointError
+    from kiln.pretrain.data import CorpusError
+    from kiln.pretrain.sft_data import SftDataError
+    from kiln.pretrain.trainer import PretrainError
+    from kiln.speedrun import speedrun as run_all
 
-    typer.echo("== tokenizer")
-    train_run_tokenizer(cfg, echo=typer.echo)
-
-    typer.echo("== evaluation: held-out toy tasks, control policies")
-    eval_controls(cfg, echo=typer.echo)
+    try:
+        run_all(cfg, echo=typer.echo)
+    except (PretrainError, CorpusError, SftDataError, CheckpointError, BenchError) as e:
+        typer.echo(f"error: {e}", err=True)
+        raise typer.Exit(2) from None
     typer.echo("not yet available: " + ", ".join(PLANNED))
 
 

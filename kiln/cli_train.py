@@ -68,7 +68,8 @@ def sft_cmd(
         if cfg.sft.oracle_tasks:
             typer.echo(f"collecting oracle trajectories on {cfg.sft.oracle_tasks} toy tasks")
             sources += [str(p) for p in collect_oracle_trajectories(
-                cfg, os.path.join(run_root, "sft-data"), cfg.sft.oracle_tasks, cfg.sft.oracle_seed)]
+                cfg, os.path.join(run_root, "sft-data"), cfg.sft.oracle_tasks, cfg.sft.oracle_seed,
+                cfg.sft.oracle_level or None)]
         summary = sft(cfg, ckpt, sources, os.path.join(run_root, "sft"))
     except (PretrainError, SftDataError, CheckpointError, BenchError) as e:
         typer.echo(f"error: {e}", err=True)

@@ -57,13 +57,15 @@ ToolName = Literal["read_file", "edit_file", "write_file", "run_shell", "grep", 
 
 
 class HarnessConfig(Section):
-    tools: list[ToolName] = ["read_file", "edit_file", "write_file", "run_shell", "grep",
-                             "semantic_search", "web_search", "web_fetch", "todo"]  # offered tools
+    # Offered tools. Every schema is part of each prompt (all nine: ~1,650 tokens), so the tiny
+    # preset offers the three a 4k-context model needs (grep runs in the shell); configs/small.toml
+    # and any API model's config offer all of them.
+    tools: list[ToolName] = ["read_file", "edit_file", "run_shell"]
     strict_args: bool = False  # strict: extra or mistyped arguments are errors; lenient: coerced / ignored
     require_read_before_edit: bool = True
     max_turns: int = Field(50, ge=1)
     max_tokens: int = Field(200_000, ge=1)  # generated tokens over the whole rollout
-    max_turn_tokens: int = Field(4096, ge=1)  # one reply; a cut-off reply is reported to the model
+    max_turn_tokens: int = Field(1024, ge=1)  # one reply; a cut-off reply is reported to the model
     wall_time_s: float = Field(1800.0, gt=0)
     tool_output_chars: int = Field(16_000, ge=256)  # per observation, head + tail
     read_max_lines: int = Field(400, ge=1)  # read_file default page
@@ -153,13 +155,14 @@ class PretrainConfig(Section):
     of continued pretraining restarts from the previous one's weights and optimizer moments. The
     tiny phases take about 7 minutes on 2 cores (bulk ~2,600 tokens/s, extension with MTP ~1,250);
     SFT phases are `kiln sft`'s (agent trajectories, from the pretrained checkpoint; the tiny one
-    takes about 3 minutes: one epoch over the oracle's 16 toy rollouts)."""
+    takes about 6 minutes)."""
     phases: list[PhaseConfig] = [
         PhaseConfig(name="bulk", kind="bulk", steps=180, seq_len=256, batch_size=16, lr=3e-3, warmup_steps=15),
         PhaseConfig(name="extension", kind="extension", steps=30, seq_len=1024, batch_size=4, lr=1e-3,
                     warmup_steps=3, rope_theta=40000.0),
-        # A whole toy rollout per row (~3,500 tokens): attention at 4096 makes a step ~20 s on 2 cores.
-        PhaseConfig(name="sft", kind="sft", steps=8, seq_len=4096, batch_size=2, lr=1e-3, warmup_steps=1),
+        # One level-1 toy rollout per row (~2,100 tokens, at most ~2,600): ~6 s a step on 2 cores,
+        # 3 epochs over the oracle's 80 rollouts.
+        PhaseConfig(name="sft", kind="sft", steps=60, seq_len=2560, batch_size=4, lr=1e-3, warmup_steps=3),
     ]
     schedule: Literal["cosine", "wsd"] = "cosine"
     min_lr_ratio: float = Field(0.1, ge=0, le=1)  # each phase ends at min_lr_ratio x its lr
@@ -189,7 +192,8 @@ class PretrainConfig(Section):
 
 class SftConfig(Section):
     """`kiln sft`'s data; its training settings are pretrain.phases' phases of kind "sft"."""
-    oracle_tasks: int = Field(16, ge=0)  # toy train-split tasks the oracle solves for SFT data; 0 = none
+    oracle_tasks: int = Field(80, ge=0)  # toy train-split tasks the oracle solves for SFT data; 0 = none
+    oracle_level: int = Field(1, ge=0, le=3)  # their level (toy.py); 0 = levels 1-3 in turn
     oracle_seed: int = Field(0, ge=0)  # the first toy task index (train and eval tasks never overlap)
     trajectories: list[str] = []  # more trajectory files or folders (e.g. a `kiln bench` out_dir)
     checkpoint: str = ""  # the model to fine-tune; empty = <run dir>/pretrain/checkpoint
@@ -204,6 +208,13 @@ class BenchConfig(Section):
     out_dir: str = ""  # empty = <run.out_dir>/<run.name>/bench-<policy>
 
 
+class SpeedrunConfig(Section):
+    """`kiln speedrun`'s evaluation of the SFT model (kiln/speedrun.py)."""
+    eval_tasks: int = Field(8, ge=1)  # held-out toy tasks (eval split)
+    eval_level: int = Field(1, ge=0, le=3)  # 0 = levels 1-3 in turn
+    passes: int = Field(1, ge=1)
+
+
 class Config(Section):
     run: RunConfig = RunConfig()
     sandbox: SandboxConfig = SandboxConfig()
@@ -214,6 +225,7 @@ class Config(Section):
     pretrain: PretrainConfig = PretrainConfig()
     sft: SftConfig = SftConfig()
     bench: BenchConfig = BenchConfig()
+    speedrun: SpeedrunConfig = SpeedrunConfig()
 
 
 # ---------------------------------------------------------------------------------------- loading

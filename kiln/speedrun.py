@@ -1,35 +1,24 @@
-"""The speedrun's stages beyond the sandbox demo. Grows as stages land: tokenizer -> corpus ->
-pretrain -> sft -> bench of the trained model. Today: the tokenizer, and two held-out suites
-(procedural toy tasks and bugs injected into real code, the built-in toolz) benched with the two
-control policies, so every run shows the evaluation pipeline's numbers end to end."""
+"""`kiln speedrun`: every stage end to end on one config, into one run directory with report.md.
+
+tokenizer -> corpus -> pretrain (bulk + extension, MTP cut in mid-bulk) -> SFT data (the oracle on
+toy train-split tasks) -> SFT -> bench of the SFT model on held-out toy tasks, beside the oracle
+and noop controls on the same suite. Each stage resumes or skips what a previous run finished, so
+an interrupted speedrun continues where it stopped; stage wall times go into the report.
+"""
 from __future__ import annotations
 
+import json
 import os
-import tempfile
-
-TOY_TASKS = 6  # two per level
-REAL_TASKS = 4  # mutants of toolz: real code, its own test suite
-SUITES = ("toy-eval", "toolz-mutate")
-
-
-def _make_suite(name: str, path: str, cfg):
-    if name == "toy-eval":
-        from kiln.tasks.toy import generate_toy
-        return generate_toy(path, TOY_TASKS, seed=cfg.run.seed, split="eval", sandbox_cfg=cfg.sandbox)
-    from kiln.tasks.builtin import materialize_toolz
-    from kiln.tasks.mutate import generate_mutants
-    with tempfile.TemporaryDirectory(prefix="kiln-toolz-") as work:
-        repo = materialize_toolz(os.path.join(work, "repo"))
-        return generate_mutants(repo, path, cfg.sandbox, max_tasks=REAL_TASKS, seed=cfg.run.seed, source="builtin:toolz")
-
+import time
+from pathlib import Path
 
 TOKENIZER_MB = 8  # of the standard library: enough for a stable 8k vocabulary, seconds on 2 cores
+CONTROLS = ("oracle", "noop")  # the ceiling and the floor of every suite
 
 
 def train_run_tokenizer(cfg, echo=print) -> str:
     """<run dir>/tokenizer, trained on the standard library unless a previous run left one."""
     import sysconfig
-    from pathlib import Path
 
     from kiln.model.tokenizer import list_corpus_files, train_tokenizer
 
@@ -44,20 +33,82 @@ def train_run_tokenizer(cfg, echo=print) -> str:
     return str(out)
 
 
-def eval_controls(cfg, echo=print) -> dict:
+def build_run_corpus(cfg, tokenizer_dir: str, echo=print) -> dict:
+    """The corpus (corpus.out_dir, else <run dir>/corpus) unless a finished build is there."""
+    from kiln.model.tokenizer import load_tokenizer
+    from kiln.pretrain.corpus import build_corpus, corpus_dir
+
+    out = corpus_dir(cfg)
+    if (out / "meta.json").exists():
+        echo(f"corpus: reusing {out}")
+        return json.loads((out / "meta.json").read_text())
+    return build_corpus(cfg.corpus, load_tokenizer(Path(tokenizer_dir)), out, cfg.run.seed,
+                        tokenizer_path=tokenizer_dir)
+
+
+def eval_suite(cfg, path: str, echo=print) -> str:
+    """The held-out suite: speedrun.eval_tasks toy tasks of the eval split (disjoint from SFT's)."""
+    from kiln.tasks.record import load_suite
+    from kiln.tasks.toy import generate_toy
+
+    s = cfg.speedrun
+    if not (os.path.isdir(path) and len(load_suite(path)) >= s.eval_tasks):
+        y = generate_toy(path, s.eval_tasks, seed=cfg.run.seed, level=s.eval_level or None, split="eval",
+                         sandbox_cfg=cfg.sandbox)
+        echo(str(y))
+    return path
+
+
+def bench_all(cfg, suite: str, checkpoint: str, run_dir: Path, echo=print) -> dict:
+    """The SFT model (policy local) and the controls on `suite`; {policy: summary}."""
     from kiln.bench.run import run_bench
 
-    run_dir = os.path.join(cfg.run.out_dir, cfg.run.name)
+    local = cfg.model_copy(deep=True)
+    local.policy.checkpoint = checkpoint
     out = {}
-    for name in SUITES:
-        suite = os.path.join(run_dir, f"suite-{name}")
-        if not any(os.path.exists(os.path.join(suite, d, "task.toml")) for d in
-                   (os.listdir(suite) if os.path.isdir(suite) else [])):
-            echo(str(_make_suite(name, suite, cfg)))
-        for policy in ("oracle", "noop"):
-            bench_dir = os.path.join(run_dir, f"bench-{name}-{policy}")
-            s = run_bench(suite, policy, passes=1, workers=2, out_dir=bench_dir, config=cfg)
-            echo(f"{name} / {policy}: correctness {s['correctness_mean']:.3f} over {s['n_tasks']} tasks "
-                 f"-> {os.path.join(bench_dir, 'report.md')}")
-            out[(name, policy)] = s
+    for policy in ("local", *CONTROLS):
+        bench_dir = run_dir / f"bench-{policy}"
+        s = run_bench(suite, policy, passes=cfg.speedrun.passes, workers=cfg.bench.workers, out_dir=str(bench_dir),
+                      config=local if policy == "local" else cfg)
+        rate = s["tool_call_parse_rate"]
+        echo(f"bench {policy}: correctness {s['correctness_mean']:.3f} over {s['n_rollouts']} rollouts, tool calls "
+             f"parsed {'-' if rate is None else f'{rate:.1%}'} -> {bench_dir / 'report.md'}")
+        out[policy] = s
     return out
+
+
+def speedrun(cfg, echo=print) -> Path:
+    """Run (or resume) every stage; returns the path of report.md."""
+    from kiln.pretrain.sft import sft
+    from kiln.pretrain.sft_data import collect_oracle_trajectories
+    from kiln.pretrain.trainer import pretrain
+    from kiln.speedrun_report import write_report
+
+    run_dir = Path(cfg.run.out_dir, cfg.run.name)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    # Seconds per stage, summed over every invocation that worked on this run dir: a resumed
+    # stage's cost is what all its pieces took, and a reused one adds only the check.
+    times_path = run_dir / "stage_seconds.json"
+    times: dict[str, float] = json.loads(times_path.read_text()) if times_path.exists() else {}
+
+    def stage(name: str, fn):
+        echo(f"== {name}")
+        t = time.monotonic()
+        try:
+            return fn()
+        finally:
+            times[name] = times.get(name, 0.0) + time.monotonic() - t
+            times_path.write_text(json.dumps(times, indent=1) + "\n")
+
+    tokenizer = stage("tokenizer", lambda: train_run_tokenizer(cfg, echo))
+    corpus = stage("corpus", lambda: build_run_corpus(cfg, tokenizer, echo))
+    from kiln.pretrain.corpus import corpus_dir
+    pre = stage("pretrain", lambda: pretrain(cfg, corpus_dir(cfg), tokenizer, run_dir / "pretrain"))
+    trajs = stage("sft data", lambda: collect_oracle_trajectories(
+        cfg, run_dir / "sft-data", cfg.sft.oracle_tasks, cfg.sft.oracle_seed, level=cfg.sft.oracle_level or None))
+    tuned = stage("sft", lambda: sft(cfg, pre["checkpoint"], [str(p) for p in trajs], run_dir / "sft"))
+    suite = stage("eval suite", lambda: eval_suite(cfg, str(run_dir / "suite-eval"), echo))
+    benches = stage("bench", lambda: bench_all(cfg, suite, tuned["checkpoint"], run_dir, echo))
+    report = write_report(run_dir, cfg, corpus, pre, len(trajs), tuned, benches, times)
+    echo(f"speedrun: {sum(times.values()) / 60:.1f} min of stages -> {report}")
+    return report

@@ -42,17 +42,41 @@ def test_top_level_dry_run_and_preset_before_command():
     assert result.exit_code == 0 and 'name = "small"' in result.stdout
 
 
-def test_speedrun_runs_demo_and_control_bench_then_lists_planned_stages(tmp_path):
-    result = runner.invoke(app, ["speedrun", f"sandbox.state_dir={tmp_path}", f"run.out_dir={tmp_path}"])
+# Every stage, shrunk to seconds: a few steps each, two oracle tasks, one held-out task.
+TINY_SPEEDRUN = [
+    "corpus.max_mb=1", "pretrain.eval_points=2", "pretrain.eval_max_bytes=4000", "pretrain.device=cpu",
+    ('pretrain.phases=[{name="bulk", kind="bulk", steps=4, seq_len=64, batch_size=4, lr=3e-3}, '
+     '{name="extension", kind="extension", steps=2, seq_len=128, batch_size=2, lr=1e-3, rope_theta=20000.0}, '
+     '{name="sft", kind="sft", steps=2, seq_len=2560, batch_size=1, lr=1e-3}]'),
+    "sft.oracle_tasks=2", "speedrun.eval_tasks=1", "harness.max_turns=6", "harness.max_turn_tokens=32",
+]
+
+
+def test_speedrun_runs_every_stage_and_writes_the_report(tmp_path):
+    result = runner.invoke(app, ["speedrun", f"sandbox.state_dir={tmp_path}", f"run.out_dir={tmp_path}",
+                                 *TINY_SPEEDRUN])
     assert result.exit_code == 0, result.output
-    for suite in ("toy-eval", "toolz-mutate"):
-        assert f"{suite} / oracle: correctness 1.000" in result.stdout
-        assert f"{suite} / noop: correctness 0.000" in result.stdout
-        assert (tmp_path / "tiny" / f"bench-{suite}-oracle" / "report.md").exists()
+    run = tmp_path / "tiny"
     assert "1 failed" in result.stdout and "1 passed" in result.stdout  # the demo's bug, then its fix
     assert "new sandbox sees the fix: True" in result.stdout
-    assert "tokenizer: vocab 8192" in result.stdout and (tmp_path / "tiny" / "tokenizer" / "tokenizer.json").exists()
+    assert "tokenizer: vocab 8192" in result.stdout and (run / "tokenizer" / "tokenizer.json").exists()
+    for stage in ("pretrain", "sft"):
+        assert (run / stage / "checkpoint" / "model.safetensors").exists()
+    assert "bench oracle: correctness 1.000 over 1 rollouts" in result.stdout
+    assert "bench noop: correctness 0.000 over 1 rollouts" in result.stdout
+    assert "bench local: correctness" in result.stdout
+    report = (run / "report.md").read_text()
+    for section in ("## Stages", "## Corpus", "## Pretraining", "## SFT", "## Evaluation on held-out toy tasks"):
+        assert section in report
+    assert "![held-out loss](pretrain/heldout_loss.png)" in report and (run / "pretrain" / "heldout_loss.png").exists()
+    assert "![training loss](training_loss.png)" in report and (run / "training_loss.png").stat().st_size > 0
+    assert "| oracle | 1 | 1.000" in report and "| noop | 1 | 0.000" in report
     assert "not yet available: " + ", ".join(PLANNED) in result.stdout
+
+    again = runner.invoke(app, ["speedrun", f"sandbox.state_dir={tmp_path}", f"run.out_dir={tmp_path}",
+                                *TINY_SPEEDRUN])  # a finished run resumes: every stage is reused
+    assert again.exit_code == 0, again.output
+    assert "tokenizer: reusing" in again.stdout and "corpus: reusing" in again.stdout
 
 
 def test_sandbox_gc_removes_a_dead_owners_run_dir(tmp_path):

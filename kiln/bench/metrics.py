@@ -86,6 +86,8 @@ def summarize(rows: list[dict], n_tasks: int, passes: int, **extra) -> dict:
         for k, v in _numbers(r.get("efficiency") or {}).items():
             eff[k].append(v)
     timings = [r.get("timings", {}).get("rollout_s", 0.0) for r in rows]
+    parsed = sum(eff.get("tool_calls", []))  # .get: a defaultdict lookup would add an empty series
+    attempted = parsed + sum(eff.get("malformed_calls", []))
     return {
         **extra,
         "n_tasks": n_tasks, "passes": passes, "n_rollouts": len(rows), "n_expected": n_tasks * passes,
@@ -96,6 +98,8 @@ def summarize(rows: list[dict], n_tasks: int, passes: int, **extra) -> dict:
                        for p in sorted({r["pass"] for r in rows})},
         "axes": mean_axes(rows),
         "efficiency_median": {k: statistics.median(v) for k, v in sorted(eff.items())},
+        # Of every tool-call block written, the share that parsed (None: no call was attempted).
+        "tool_call_parse_rate": parsed / attempted if attempted else None,
         "by_category": breakdown(rows, "category", passes),
         "by_difficulty": breakdown(rows, "difficulty", passes),
         "stop_reasons": dict(Counter(r.get("stop_reason", "") for r in rows).most_common()),

@@ -112,6 +112,8 @@ def render_markdown(summary: dict, plots: dict[str, str]) -> str:
     overall = [["accuracy (mean over passes)", s["correctness_mean"]]]
     overall += [[f"best-of-{k}", v] for k, v in s["best_of_k"].items()]
     overall += [[f"accuracy of pass {p}", v] for p, v in s["pass_means"].items()]
+    if s.get("tool_call_parse_rate") is not None:
+        overall += [["tool calls that parse", s["tool_call_parse_rate"]]]
     overall += [["rollout seconds (mean)", s["rollout_s_mean"]]]
     lines += _table(["metric", "value"], overall)
     lines += ["## By category", ""] + _group_table(s["by_category"], "category", s["passes"])

@@ -34,7 +34,7 @@ def efficiency(traj) -> dict:
         "tool_output_tokens": e.tool_output_tokens, "final_tokens": e.final_tokens,
         "generated_tokens": e.thinking_tokens + e.tool_call_tokens + e.final_tokens,
         "completion_tokens": sum(t.completion_tokens for t in traj.turns),  # as the policy counted them
-        "tool_calls": e.tool_calls, "turns": e.turns,
+        "tool_calls": e.tool_calls, "malformed_calls": e.malformed_calls, "turns": e.turns,
         "calls_per_turn": len(traj.tools) / acting_turns if acting_turns else 0.0,  # >1: parallel calls
         "summaries": max(0, len(traj.segments) - 1),
         "wall_s": float(traj.metadata.get("wall_s", 0.0)),

@@ -109,6 +109,7 @@ class Agent:
         effort.thinking_tokens += count(reply.thinking)
         effort.tool_call_tokens += count(reply.tool_text)
         effort.tool_calls += len(reply.calls)
+        effort.malformed_calls += len(reply.errors)
         if not reply.calls:
             effort.final_tokens += count(reply.content)
         return reply

@@ -50,13 +50,15 @@ class Segment:
 
 @dataclass
 class Effort:
-    """The counts the length penalty weighs (RECIPE: thinking, tool calls, outputs, turns)."""
+    """The counts the length penalty weighs (RECIPE: thinking, tool calls, outputs, turns), and the
+    tool-call blocks that did not parse (a behaviour count)."""
     thinking_tokens: int = 0
     tool_call_tokens: int = 0
     tool_output_tokens: int = 0
     final_tokens: int = 0
     tool_calls: int = 0
     turns: int = 0
+    malformed_calls: int = 0
 
 
 @dataclass

@@ -63,9 +63,11 @@ class MTP(nn.Module):
 
     def forward(self, model: MoeForCausalLM, hidden: torch.Tensor, input_ids: torch.Tensor,
                 positions: torch.Tensor | None = None, doc_ids: torch.Tensor | None = None,
-                detach_trunk: bool = True) -> list[torch.Tensor]:
+                detach_trunk: bool = True, keep: torch.Tensor | None = None) -> list[torch.Tensor]:
         """Training forward over whole sequences. hidden: the trunk's output [B, T, D].
-        Returns per depth k (1-based) logits [B, T-k, V]; row i predicts token i+k+1."""
+        Returns per depth k (1-based) logits [B, T-k, V]; row i predicts token i+k+1. With keep
+        ([B, T] bool: the positions whose main-head logits were computed, e.g. SFT's assistant
+        targets), only rows i whose i+k is kept go through the head: [M_k, V], row-major order."""
         b, t = input_ids.shape
         if positions is None:
             positions = torch.arange(t, device=input_ids.device).expand(b, t)
@@ -82,18 +84,26 @@ class MTP(nn.Module):
                 d = doc_ids[:, :n]
                 mask = ((d[:, :, None] == d[:, None, :]) & torch.ones(n, n, dtype=torch.bool, device=h.device).tril())[:, None]
             h = layer(h[:, :n], self.embed(model, input_ids[:, k:], detach_trunk), rope, mask)
-            out.append(self.logits(model, k - 1, h, detach_trunk))
+            at = h if keep is None else h[keep[:, k:k + n]]
+            out.append(self.logits(model, k - 1, at, detach_trunk))
         return out
 
 
 def mtp_loss(main_logits: torch.Tensor, mtp_logits: list[torch.Tensor], input_ids: torch.Tensor,
-             doc_ids: torch.Tensor | None = None, mode: str = "distill") -> tuple[torch.Tensor, list[float]]:
+             doc_ids: torch.Tensor | None = None, mode: str = "distill",
+             keep: torch.Tensor | None = None) -> tuple[torch.Tensor, list[float]]:
     """Mean over depths of the per-position loss. mode "distill": KL(main head's detached
     distribution at i+k || MTP-k at i); "hard": cross-entropy on the true token t_{i+k+1}
     (the baseline the benchmark compares acceptance against). Positions whose inputs cross a
-    packed-document boundary are left out. Returns (loss, per-depth values)."""
+    packed-document boundary are left out. With keep (distill only), main_logits are [M, V] at
+    the kept positions and mtp_logits as MTP.forward(keep=...) returns them. Returns (loss,
+    per-depth values)."""
     if mode not in ("distill", "hard"):
         raise ValueError(f"mode must be 'distill' or 'hard' (got {mode!r})")
+    if keep is not None:
+        if mode != "distill":
+            raise ValueError("keep= needs mode 'distill': hard labels are scored at every position")
+        return _distill_kept(main_logits, mtp_logits, doc_ids, keep)
     t = input_ids.shape[1]
     losses = []
     for k, q in enumerate(mtp_logits, start=1):
@@ -110,6 +120,26 @@ def mtp_loss(main_logits: torch.Tensor, mtp_logits: list[torch.Tensor], input_id
             per = (logp.exp() * (logp - logq)).sum(-1)
         else:
             per = -logq.gather(-1, input_ids[:, k + 1:k + 1 + n, None]).squeeze(-1)
+        losses.append((per * valid).sum() / valid.sum().clamp(min=1))
+    total = torch.stack(losses).mean()
+    return total, [float(x.detach()) for x in losses]
+
+
+def _distill_kept(main_logits: torch.Tensor, mtp_logits: list[torch.Tensor], doc_ids: torch.Tensor | None,
+                  keep: torch.Tensor) -> tuple[torch.Tensor, list[float]]:
+    """mtp_loss's distillation where only the kept positions have logits (see mtp_loss)."""
+    t = keep.shape[1]
+    index = (keep.flatten().long().cumsum(0) - 1).view_as(keep)  # kept position -> row of main_logits
+    losses = []
+    for k, q in enumerate(mtp_logits, start=1):
+        n = t - k
+        if n <= 0:
+            break
+        at = keep[:, k:k + n]
+        logp = torch.log_softmax(main_logits[index[:, k:k + n][at]].detach().float(), dim=-1)
+        logq = torch.log_softmax(q.float(), dim=-1)
+        per = (logp.exp() * (logp - logq)).sum(-1)
+        valid = torch.ones_like(per, dtype=torch.bool) if doc_ids is None else (doc_ids[:, :n] == doc_ids[:, k:k + n])[at]
         losses.append((per * valid).sum() / valid.sum().clamp(min=1))
     total = torch.stack(losses).mean()
     return total, [float(x.detach()) for x in losses]

@@ -1,6 +1,8 @@
 """The oracle: solves a task from its gold patch through the real tools only.
 
-It reads the files the patch touches (paging as a model would), applies each hunk with
+When the task names a symbol in backticks, it first greps for it (the grep tool, else run_shell),
+so a model imitating it learns to find a file before reading it. It then reads the files the
+patch touches (paging as a model would), applies each hunk with
 edit_file (extending the context until the old text is unique), creates and deletes files,
 runs the tests and finishes. A seed varies the order, the plan, the wording and whether it
 runs the tests first, so its trajectories are useful SFT data rather than one fixed script.
@@ -18,8 +20,10 @@ from kiln.tasks.patch import FilePatch, parse_patch
 from .base import ApproxTokens
 
 _LINE = re.compile(r"^\s*(\d+)\t(.*)$")
+_SYMBOL = re.compile(r"`([A-Za-z_][A-Za-z_0-9]*)")  # the leading identifier of a `code span`
 _MORE = re.compile(r"offset=(\d+)")
 _PAGE = 200  # lines per read: stays well inside the observation limit
+_SEARCH = ["Let me find where that is defined.", "First, where is it defined?", "Searching the code for it."]
 _OPENERS = ["Let me look at the code involved.", "First I'll read the relevant files.",
             "I'll start by reading the code.", "Reading the files this touches."]
 _EDITS = ["Now I'll make the change.", "I see what's needed; editing now.", "Applying the fix.",
@@ -42,6 +46,7 @@ class OraclePolicy(ApproxTokens):
         self.use_todo = self.rng.random() < 0.5
         self.test_first = bool(test_command) and self.rng.random() < 0.3
         self.phase = "start"
+        self.offered: set[str] = set()
 
     def _say(self, options: list[str], calls: list[Call], **kw) -> TurnRecord:
         thought = self.rng.choice(options).format(**kw)
@@ -71,7 +76,17 @@ class OraclePolicy(ApproxTokens):
         return Call("", "read_file", {"path": path, "offset": offset, "limit": _PAGE})
 
     def generate(self, messages: list[dict], tools: list[dict], max_tokens: int) -> TurnRecord:
+        offered = self.offered = {t["function"]["name"] for t in tools}
+        self.use_todo = self.use_todo and "todo" in offered
         if self.phase == "start":
+            symbol = _SYMBOL.search(next((m["content"] for m in messages if m["role"] == "user"), "") or "")
+            self.phase = "located"
+            if symbol and offered & {"grep", "run_shell"}:
+                name = symbol.group(1)
+                call = (Call("", "grep", {"pattern": name}) if "grep" in offered else
+                        Call("", "run_shell", {"command": f"grep -rn -- {name} ."}))
+                return self._say(_SEARCH, [call])
+        if self.phase == "located":
             self.phase = "read"
             calls = [self._read(f.old_path, 1) for f in self.files if f.old_path and f.new_path]
             if self.use_todo:
@@ -105,16 +120,33 @@ class OraclePolicy(ApproxTokens):
             return [Call("", "run_shell", {"command": f"rm -- {f.old_path}"})]
         if f.old_path is None:
             content = "".join(h.new_text for h in f.hunks)
-            return [Call("", "write_file", {"path": f.new_path, "content": content})]
+            if "write_file" in self.offered:
+                return [Call("", "write_file", {"path": f.new_path, "content": content})]
+            return [Call("", "edit_file", {"path": f.new_path, "old_text": "", "new_text": content})]
         known = self.lines.get(f.old_path, {})
         text = "".join(known[i] + "\n" for i in sorted(known))
         calls, shift = [], 0
         for h in f.hunks:
-            old, new, at = _unique(text, h.old_text, h.new_text, h.old_start - 1 + shift)
+            old, new, skipped = _trim(h.old_text, h.new_text)
+            old, new, at = _unique(text, old, new, h.old_start - 1 + skipped + shift)
             calls.append(Call("", "edit_file", {"path": f.new_path, "old_text": old, "new_text": new}))
             text = text[:at] + new + text[at + len(old):]
             shift += h.new_text.count("\n") - h.old_text.count("\n")
         return calls
+
+
+def _trim(old: str, new: str) -> tuple[str, str, int]:
+    """Drop the hunk's unchanged context lines (an edit as a person writes it: just the changed
+    lines), keeping a line on each side when the other side would be empty. Returns old, new and
+    how many leading lines were dropped."""
+    a, b = old.splitlines(keepends=True), new.splitlines(keepends=True)
+    lead = 0
+    while lead < min(len(a), len(b)) - 1 and a[lead] == b[lead]:
+        lead += 1
+    tail = 0
+    while tail < min(len(a), len(b)) - lead - 1 and a[-1 - tail] == b[-1 - tail]:
+        tail += 1
+    return "".join(a[lead:len(a) - tail]), "".join(b[lead:len(b) - tail]), lead
 
 
 def _unique(text: str, old: str, new: str, line: int) -> tuple[str, str, int]:

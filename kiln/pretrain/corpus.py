@@ -356,3 +356,23 @@ def build_corpus(c, tokenizer, out_dir, seed: int, progress: bool = True, tokeni
             "seed": seed, "max_mb": c.max_mb, "tokenizer": tokenizer_path}
     _write_atomic(out / "meta.json", (json.dumps(meta, indent=2) + "\n").encode())
     return meta
+
+
+def describe_corpus(meta: dict) -> str:
+    """The meta as a table of sources, then one line each for filters, dedup, held-out and shards."""
+    head = f"{'source':<14} {'kind':<5} {'weight':>6} {'files':>7} {'read':>6} {'kept':>6} {'docs':>6} " \
+           f"{'MB':>8} {'tokens':>11} {'share':>6}"
+    lines = [head, "-" * len(head)]
+    for name, s in meta["sources"].items():
+        lines.append(f"{name:<14} {s['kind']:<5} {s['weight']:>6g} {s['files']:>7} {s['sampled']:>6} {s['kept']:>6} "
+                     f"{s['docs']:>6} {s['bytes'] / 1e6:>8.2f} {s['tokens']:>11,} {s['share']:>6.1%}")
+    lines.append(f"{'total':<14} {'':<5} {'':>6} {'':>7} {'':>6} {'':>6} {'':>6} "
+                 f"{sum(s['bytes'] for s in meta['sources'].values()) / 1e6:>8.2f} {meta['train_tokens']:>11,}")
+    lines.append("filtered: " + ", ".join(f"{k} {v}" for k, v in meta["filtered"].items()))
+    lines.append("dedup: " + ", ".join(f"{k} {v}" for k, v in meta["dedup"].items()))
+    h = meta["heldout"]
+    lines.append(f"held out: {h['project']}, {h['files']} files, {h['bytes'] / 1e6:.2f} MB -> {h['path']}")
+    if meta["skipped_roots"]:
+        lines.append("docs roots not found (skipped): " + ", ".join(meta["skipped_roots"]))
+    lines.append(f"shards: {len(meta['shards'])} x {meta['dtype']}, vocab {meta['vocab_size']}, seed {meta['seed']}")
+    return "\n".join(lines)

@@ -88,8 +88,9 @@ def samples_from(trajectories, tokenizer) -> list[tuple[list[int], list[int]]]:
     return [segment_tokens(s, tokenizer) for t in trajectories for s in t.segments if s.turns]
 
 
-def collect_oracle_trajectories(cfg, out_dir, n_tasks: int, seed: int = 0, progress: bool = True) -> list[Path]:
-    """Generate `n_tasks` toy tasks of the train split (levels cycling 1-3), run the oracle on each
+def collect_oracle_trajectories(cfg, out_dir, n_tasks: int, seed: int = 0, level: int | None = None,
+                                progress: bool = True) -> list[Path]:
+    """Generate `n_tasks` toy tasks of the train split (of `level`; None: 1-3 in turn), run the oracle on each
     through the real harness in sandboxes (`kiln bench`'s runner: resumable, graded), and return
     the trajectory files of the solved ones. Both steps are skipped when already done."""
     from kiln.bench.run import run_bench
@@ -100,7 +101,8 @@ def collect_oracle_trajectories(cfg, out_dir, n_tasks: int, seed: int = 0, progr
     suite = out_dir / "tasks"
     have = load_suite(str(suite)) if (suite.is_dir() and any(suite.iterdir())) else []
     if len(have) < n_tasks:
-        y = generate_toy(str(suite), n_tasks, seed=seed, split="train", sandbox_cfg=cfg.sandbox, progress=progress)
+        y = generate_toy(str(suite), n_tasks, seed=seed, level=level, split="train", sandbox_cfg=cfg.sandbox,
+                         progress=progress)
         if y.kept == 0:
             raise SftDataError(f"no toy task could be generated in {suite} (rejected: {dict(y.rejected)})")
     run_bench(str(suite), "oracle", passes=1, workers=cfg.bench.workers, out_dir=str(out_dir / "rollouts"),

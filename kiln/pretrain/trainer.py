@@ -303,15 +303,18 @@ def _step(run: Run, batch: tuple, lr: float, train_mtp: bool, clip: float, accum
     n_targets = max(1, int((targets != -100).sum()))
     for x, y, d, ps in zip(*(t.chunk(accum) for t in (ids[:, :-1], targets, docs[:, :-1], pos[:, :-1]))):
         ps, d = unpacked(ps, d)
+        # With a loss mask (SFT) the heads run only where there is a target: most of an agent
+        # sample is prompt and tool output, and the vocabulary projection dominates a tiny model.
+        keep = None if mask is None else y != -100
         with autocast:
             out = model.trunk(x, positions=ps, doc_ids=d)
-            logits = model.head(out.hidden)
+            logits = model.head(out.hidden if keep is None else out.hidden[keep])
             # Summed and divided by the batch's target count: this micro-batch's share of the mean.
-            loss = F.cross_entropy(logits.flatten(0, 1).float(), y.flatten(), ignore_index=-100,
-                                   reduction="sum") / n_targets
+            loss = F.cross_entropy(logits.flatten(0, -2).float(), y.flatten() if keep is None else y[keep],
+                                   ignore_index=-100, reduction="sum") / n_targets
             total = loss if out.aux_loss is None else loss + coef * out.aux_loss / accum
-            if train_mtp:  # self-distillation at every position, prompts included: it copies the head
-                m_loss, _ = mtp_loss(logits, mtp(model, out.hidden, x, ps, d), x, d)
+            if train_mtp:  # self-distillation wherever the main head ran (pretraining: every position)
+                m_loss, _ = mtp_loss(logits, mtp(model, out.hidden, x, ps, d, keep=keep), x, d, keep=keep)
                 total = total + m_loss / accum
                 sums["mtp_loss"] += float(m_loss.detach()) / accum
         total.backward()

@@ -174,7 +174,8 @@ def test_summary_of_mixed_rows():
     def row(task, p, ok, cat, **quality):
         return {"task_id": task, "pass": p, "category": cat, "difficulty": 1, "stop_reason": "finished",
                 "correctness": {"score": float(ok), "resolved": bool(ok)}, "quality": quality,
-                "efficiency": {"generated_tokens": 100 * (p + 1)}, "behaviour": {}, "timings": {"rollout_s": 1.0}}
+                "efficiency": {"generated_tokens": 100 * (p + 1), "tool_calls": 3, "malformed_calls": p},
+                "behaviour": {}, "timings": {"rollout_s": 1.0}}
     rows = [row("a", 0, 1, "bugfix", diff_ratio=2.0), row("a", 1, 0, "bugfix"), row("a", 2, 0, "bugfix"),
             row("b", 0, 1, "feature", diff_ratio=1.0), row("b", 1, 1, "feature"), row("b", 2, 1, "feature")]
     s = summarize(rows, n_tasks=3, passes=3)
@@ -184,3 +185,7 @@ def test_summary_of_mixed_rows():
     assert s["by_category"]["bugfix"]["correctness_mean"] == pytest.approx(1 / 3)
     assert s["axes"]["quality"] == {"diff_ratio": 1.5}  # averaged over the rows that report it
     assert s["efficiency_median"]["generated_tokens"] == 200.0
+    assert s["tool_call_parse_rate"] == pytest.approx(18 / (18 + 6))  # every block written, pooled over rollouts
+    for r in rows:
+        r["efficiency"] = {"tool_calls": 0, "malformed_calls": 0}  # noop: no block written at all
+    assert summarize(rows, n_tasks=3, passes=3)["tool_call_parse_rate"] is None

@@ -114,6 +114,8 @@ def test_each_malformed_call_kind_teaches_the_model(hbox):
     assert "no closing </tool_call>" in obs[5]
     assert "cut off" in obs[6]
     assert [t.ok for t in traj.tools] == [False, False, False, False]
+    # the bad JSON and the unclosed block never became calls; the other four parsed
+    assert (traj.effort.malformed_calls, traj.effort.tool_calls) == (2, 4)
 
 
 def test_lenient_mode_coerces_and_ignores(hbox):

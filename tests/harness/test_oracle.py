@@ -32,3 +32,29 @@ def test_oracle_solves_20_of_20(repos, hstate, scfg):
             openers.add(traj.turns[0].text.split("\n")[0])
     assert solved == 20
     assert plans == {True, False} and len(openers) > 1  # seeded variety, not one fixed script
+
+
+def test_oracle_finds_the_file_before_reading_it_and_edits_only_changed_lines(scfg, tmp_path):
+    """Under the tiny preset's three tools: a grep in the shell for the symbol the task names, a
+    read of a path that grep printed, and an edit of the one changed line."""
+    from kiln.bench.run import run_bench
+    from kiln.config import Config
+    from kiln.harness.trajectory import Trajectory
+    from kiln.tasks.toy import generate_toy
+
+    generate_toy(str(tmp_path / "suite"), 2, seed=0, level=1, split="train", sandbox_cfg=scfg, progress=False)
+    cfg = Config(sandbox=scfg, harness=HarnessConfig(tools=["read_file", "edit_file", "run_shell"]))
+    s = run_bench(str(tmp_path / "suite"), "oracle", out_dir=str(tmp_path / "out"), config=cfg, progress=False)
+    assert s["correctness_mean"] == 1.0 and s["tool_call_parse_rate"] == 1.0
+    for f in sorted((tmp_path / "out" / "trajectories").glob("*.json")):
+        traj = Trajectory.load(str(f))
+        symbol = traj.task.split("`")[1].split("(")[0].split(".")[0]
+        first, second = traj.tools[0], traj.tools[1]
+        assert (first.name, first.arguments) == ("run_shell", {"command": f"grep -rn -- {symbol} ."})
+        grep_out = next(m["content"] for m in traj.messages if m.get("tool_call_id") == first.call_id)
+        assert second.name == "read_file" and f"./{second.arguments['path']}:" in grep_out
+        edits = [t.arguments for t in traj.tools if t.name == "edit_file"]
+        old, new = edits[0]["old_text"].splitlines(), edits[0]["new_text"].splitlines()
+        # one line changed; context only where that line alone is not unique in the file
+        assert len(edits) == 1 and len(old) == len(new) and sum(a != b for a, b in zip(old, new)) == 1
+        assert len(old) == 1 or old[0] == new[0] or old[-1] == new[-1]

@@ -183,3 +183,25 @@ def test_self_distillation_training_reduces_the_loss():
         losses.append(loss.item())
     print(f"self-distillation: {losses[0]:.3f} -> {losses[-1]:.3f}")
     assert losses[-1] < 0.25 * losses[0]
+
+
+def test_kept_positions_equal_the_full_loss_restricted_to_them():
+    """SFT runs the heads only at its targets: same KL per position as the full path, averaged
+    over the kept positions that stay inside their document."""
+    model, mtp = make()
+    ids, docs = batch(5), torch.tensor([[0] * 10 + [1] * 14] * B)
+    keep = torch.rand(B, T, generator=torch.Generator().manual_seed(6)) < 0.4
+    with torch.no_grad():
+        hidden = model.trunk(ids, doc_ids=docs).hidden
+        full_main, full_q = model.head(hidden), mtp(model, hidden, ids, doc_ids=docs)
+        kept_main, kept_q = model.head(hidden[keep]), mtp(model, hidden, ids, doc_ids=docs, keep=keep)
+        _, per = mtp_loss(kept_main, kept_q, ids, docs, keep=keep)
+    for k, q in enumerate(full_q, start=1):
+        n = T - k
+        kl = (F.kl_div(q.log_softmax(-1), full_main[:, k:].log_softmax(-1), log_target=True, reduction="none")
+              .sum(-1))
+        at = keep[:, k:] & (docs[:, :n] == docs[:, k:])
+        assert kept_q[k - 1].shape[0] == int(keep[:, k:].sum())
+        assert per[k - 1] == pytest.approx(kl[at].mean().item(), rel=1e-4)
+    with pytest.raises(ValueError, match="needs mode 'distill'"):
+        mtp_loss(kept_main, kept_q, ids, docs, mode="hard", keep=keep)

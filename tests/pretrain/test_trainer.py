@@ -8,7 +8,11 @@ from __future__ import annotations
 
 import json
 import shutil
+import signal
+import subprocess
+import sys
 import sysconfig
+import time
 from pathlib import Path
 
 import numpy as np
@@ -263,3 +267,33 @@ def test_rows_without_a_document_boundary_skip_the_attention_mask():
     two = torch.tensor([[0] * 6 + [1] * 6])
     assert trainer.unpacked(pos[:1], two)[1] is two
     assert trainer.unpacked(pos[:1] + 3, docs[:1])[0] is not None
+
+
+def test_sigkilled_cli_run_resumes_on_the_same_data_and_losses(data, tmp_path):
+    """A real `kill -9` of `kiln pretrain` mid-phase, then the same command again: the resumed run
+    logs the losses of an uninterrupted one, step for step, and ends with the same weights."""
+    longer = PHASES.replace("steps=20", "steps=60")
+    over = ["model.depth=1", "model.vocab_size=512", "model.context=256", f"pretrain.phases={longer}",
+            "pretrain.eval_points=3", "pretrain.eval_window=32", "pretrain.eval_stride=16", "pretrain.eval_max_bytes=3000",
+            "pretrain.checkpoint_every=3", "pretrain.device=cpu"]
+    ref = pretrain(load_config(None, over), *data, tmp_path / "ref", progress=False)
+    run = tmp_path / "runs" / "tiny" / "pretrain"
+    cmd = [sys.executable, "-m", "kiln", "pretrain", "--corpus", str(data[0]), "--tokenizer", str(data[1]),
+           f"run.out_dir={tmp_path / 'runs'}", *over]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 120
+    while not (run / "state" / "trainer_state.pt").exists() and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.005)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert proc.returncode == -signal.SIGKILL and not (run / "summary.json").exists()  # killed mid-run
+    killed_at = max(r["step"] for r in _rows(run))
+    assert 0 < killed_at < 64
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300, check=False)
+    assert done.returncode == 0, done.stderr[-2000:]
+    rows, ref_rows = _rows(run), _rows(tmp_path / "ref")
+    assert [r["step"] for r in rows] == [r["step"] for r in ref_rows]
+    assert _train(rows) == _train(ref_rows) and _train(rows, "tokens_seen") == _train(ref_rows, "tokens_seen")
+    a, b = load_checkpoint(tmp_path / "ref" / "checkpoint")[0], load_checkpoint(run / "checkpoint")[0]
+    assert all(torch.equal(x, y) for x, y in zip(a.state_dict().values(), b.state_dict().values()))
+    assert json.loads((run / "summary.json").read_text())["steps"] == ref["steps"]
