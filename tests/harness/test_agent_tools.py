@@ -1,9 +1,11 @@
 """Every tool, on its success path and an error path, through the real loop."""
 from __future__ import annotations
 
+from typing import get_args
+
 import pytest
 
-from kiln.config import HarnessConfig
+from kiln.config import HarnessConfig, ToolName
 from kiln.harness.agent import Agent
 from kiln.policies.scripted import ScriptedPolicy
 
@@ -46,7 +48,7 @@ def corpus(tmp_path_factory):
 @pytest.mark.parametrize("tool", sorted(CASES))
 def test_tool_success_and_error_through_the_loop(tool, hbox, corpus, tmp_path):
     good, good_text, bad, bad_text = CASES[tool]
-    cfg = HarnessConfig(web_corpus=str(corpus), embed_cache=str(tmp_path / "embed"))
+    cfg = HarnessConfig(tools=list(get_args(ToolName)), web_corpus=str(corpus), embed_cache=str(tmp_path / "embed"))
     traj = Agent(ScriptedPolicy([good, bad, "done"]), hbox, cfg).run(f"exercise {tool}")
     assert traj.stop_reason == "finished"
     recs = [r for r in traj.tools if r.name == tool]
