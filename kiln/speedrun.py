@@ -79,6 +79,7 @@ def bench_all(cfg, suite: str, checkpoint: str, run_dir: Path, echo=print) -> di
 
 def speedrun(cfg, echo=print) -> Path:
     """Run (or resume) every stage; returns the path of report.md."""
+    from kiln.pretrain.corpus import corpus_dir
     from kiln.pretrain.sft import sft
     from kiln.pretrain.sft_data import collect_oracle_trajectories
     from kiln.pretrain.trainer import pretrain
@@ -102,7 +103,6 @@ def speedrun(cfg, echo=print) -> Path:
 
     tokenizer = stage("tokenizer", lambda: train_run_tokenizer(cfg, echo))
     corpus = stage("corpus", lambda: build_run_corpus(cfg, tokenizer, echo))
-    from kiln.pretrain.corpus import corpus_dir
     pre = stage("pretrain", lambda: pretrain(cfg, corpus_dir(cfg), tokenizer, run_dir / "pretrain"))
     trajs = stage("sft data", lambda: collect_oracle_trajectories(
         cfg, run_dir / "sft-data", cfg.sft.oracle_tasks, cfg.sft.oracle_seed, level=cfg.sft.oracle_level or None))

@@ -3,23 +3,16 @@ and the engine's stream agreeing with its completions."""
 from __future__ import annotations
 
 import pytest
-import torch
 
 from kiln.engine import Engine, SamplingParams
 from kiln.engine.detok import Detokenizer
 from kiln.model.tokenizer import load_tokenizer
-from tests.tiny_model import tiny_model
+from tests.threads import one_thread  # noqa: F401 - autouse: one torch thread in this module
+from tests.tiny_model import (
+    tiny_model,
+)
 
 TEXT = 'def naïve(x):\n    return {"ключ": x, "emoji": "😀"}  # €5 ✓\n'
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny matmuls gain nothing from threads, and on a busy 2-core machine they spin-wait badly."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")

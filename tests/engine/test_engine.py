@@ -11,19 +11,13 @@ import torch
 from kiln.engine import Engine, SamplingParams
 from kiln.engine.kvcache import KVCache
 from kiln.model.tokenizer import load_tokenizer
-from tests.tiny_model import tiny_model
+from tests.threads import one_thread  # noqa: F401 - autouse: one torch thread in this module
+from tests.tiny_model import (
+    tiny_model,
+)
 
 PROMPTS = [[5, 17, 3], [40, 41, 42, 43, 44, 45, 46, 47, 48], [7] * 17, [300, 2, 9, 11, 13], [1, 99, 98, 97, 96, 95, 94, 93, 92, 91, 90, 89]]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=10)
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny matmuls gain nothing from threads, and on a busy 2-core machine they spin-wait badly."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")

@@ -16,19 +16,11 @@ from kiln.model.tokenizer import load_tokenizer
 from kiln.policies import make_policy
 from kiln.policies.local import LocalPolicy
 from kiln.sandbox import Snapshot, create
+from tests.threads import one_thread  # noqa: F401 - autouse: one torch thread in this module
 
 EOS, TURN_END = 2, "<|im_end|>\n"  # kiln's end-of-turn token and what the template closes a turn with
 SYSTEM = {"role": "system", "content": "You are a coding agent. Tools: run_shell."}
 TASK = {"role": "user", "content": "List the files, then fix the bug."}
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny matmuls gain nothing from threads, and on a busy 2-core machine they spin-wait badly."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")

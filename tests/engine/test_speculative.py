@@ -11,18 +11,12 @@ from kiln.engine import Engine, SamplingParams, speculative
 from kiln.engine import engine as engine_module
 from kiln.engine.speculative import verify
 from kiln.model.mtp import MTP
-from tests.tiny_model import tiny_model
+from tests.threads import one_thread  # noqa: F401 - autouse: one torch thread in this module
+from tests.tiny_model import (
+    tiny_model,
+)
 
 PROMPTS = [[5, 17, 3], [40, 41, 42, 43, 44, 45, 46, 47, 48], [7] * 17, [300, 2, 9, 11, 13], [1]]
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny matmuls gain nothing from threads, and on a busy 2-core machine they spin-wait badly."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")

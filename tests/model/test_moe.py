@@ -8,19 +8,11 @@ import torch
 
 from kiln.model.config import ModelConfig
 from kiln.model.moe import MoeBlock, MoeForCausalLM
+from tests.threads import one_thread  # noqa: F401 - autouse: one torch thread in this module
 
 CFG = ModelConfig(vocab_size=256, hidden_size=64, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
                   head_dim=16, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
                   intermediate_size=96, mlp_only_layers=[0])
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny matmuls gain nothing from threads, and on a busy 2-core machine they spin-wait badly."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def model(seed: int = 0) -> MoeForCausalLM:

@@ -8,18 +8,10 @@ import torch.nn.functional as F
 from kiln.model.config import ModelConfig
 from kiln.model.moe import MoeForCausalLM
 from kiln.model.mtp import MTP, mtp_loss
+from tests.threads import one_thread  # noqa: F401 - autouse: one torch thread in this module
 
 CFG = ModelConfig.from_depth(2, vocab_size=256)
 B, T, V = 3, 24, CFG.vocab_size
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny matmuls gain nothing from threads, and on a busy 2-core machine they spin-wait badly."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def make(depth: int = 2, seed: int = 0) -> tuple[MoeForCausalLM, MTP]:

@@ -33,6 +33,7 @@ from kiln.model.checkpoint import (
 from kiln.model.config import ModelConfig
 from kiln.model.moe import MoeForCausalLM
 from kiln.model.mtp import MTP
+from tests.threads import one_thread  # noqa: F401 - autouse: one torch thread in this module
 
 # One dense layer, GQA 4:2, raw (unnormalised) top-k weights, tied embeddings.
 DENSE_FIRST = ModelConfig(vocab_size=256, hidden_size=64, num_hidden_layers=3, num_attention_heads=4,
@@ -45,15 +46,6 @@ ALL_MOE = ModelConfig(vocab_size=256, hidden_size=64, num_hidden_layers=2, num_a
                       moe_intermediate_size=48, norm_topk_prob=True, tie_word_embeddings=False)
 CONFIGS = pytest.mark.parametrize("cfg", [DENSE_FIRST, ALL_MOE], ids=["dense-first-tied", "all-moe-untied"])
 ATOL = 1e-4
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny matmuls gain nothing from threads, and on a busy 2-core machine they spin-wait badly."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def scramble(module: torch.nn.Module, seed: int, std: float = 0.2) -> torch.nn.Module:

@@ -33,18 +33,12 @@ from kiln.pretrain.sft_data import (
 )
 from kiln.pretrain.trainer import PretrainError, Run
 from kiln.sandbox import Snapshot, create
-from tests.tiny_model import tiny_model
+from tests.threads import one_thread  # noqa: F401 - autouse: one torch thread in this module
+from tests.tiny_model import (
+    tiny_model,
+)
 
 SYSTEM = {"role": "system", "content": "You are a coding agent. Tools: read_file, edit_file, run_shell."}
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny matmuls gain nothing from threads, and on a busy 2-core machine they spin-wait badly."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")

@@ -29,7 +29,10 @@ from kiln.serve.protocol import APIError, ChatRequest, parse_body, render_prompt
 from kiln.serve.responses import StreamSplitter, build_message, finish_reason
 from kiln.tasks.record import load_suite
 from kiln.tasks.toy import generate_toy
-from tests.tiny_model import tiny_model
+from tests.threads import one_thread  # noqa: F401 - autouse: one torch thread in this module
+from tests.tiny_model import (
+    tiny_model,
+)
 
 MODEL = "ckpt"  # the tiny checkpoint's folder name: the default model id
 MSGS = [{"role": "user", "content": "Read a.py and fix the bug."}]
@@ -38,15 +41,6 @@ TOOLS = [{"type": "function", "function": {"name": "read_file", "description": "
 LONG = {"ignore_eos": True}  # exactly max_tokens tokens: an untrained model may end a reply anywhere
 TOKEN = "s3cret"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny matmuls gain nothing from threads, and on a busy 2-core machine they spin-wait badly."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")
