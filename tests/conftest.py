@@ -14,6 +14,18 @@ def tcfg(tmp_path_factory):
     stop_service(state)
 
 
+@pytest.fixture(scope="module")
+def calc_box(tcfg, tmp_path_factory):
+    """A sandbox over a one-file repository (calc.py, whose add() subtracts), for policy rollouts."""
+    from kiln.sandbox import Snapshot, create
+
+    repo = tmp_path_factory.mktemp("repo")
+    (repo / "calc.py").write_text("def add(a, b):\n    return a - b\n")
+    sb = create(Snapshot.from_dir(repo, tcfg.state_dir), tcfg)
+    yield sb
+    sb.close()
+
+
 def pytest_collection_modifyitems(config, items):
     gpu_items = [item for item in items if item.get_closest_marker("gpu")]
     if not gpu_items:

@@ -15,7 +15,6 @@ from kiln.model.checkpoint import load_checkpoint
 from kiln.model.tokenizer import load_tokenizer
 from kiln.policies import make_policy
 from kiln.policies.local import LocalPolicy
-from kiln.sandbox import Snapshot, create
 from tests.threads import one_thread  # noqa: F401 - autouse: one torch thread in this module
 
 EOS, TURN_END = 2, "<|im_end|>\n"  # kiln's end-of-turn token and what the template closes a turn with
@@ -124,19 +123,10 @@ def test_make_policy_builds_the_local_policy(tiny_checkpoint, tok):
         make_policy(PolicyConfig(kind="local"))
 
 
-@pytest.fixture(scope="module")
-def box(tcfg, tmp_path_factory):
-    repo = tmp_path_factory.mktemp("repo")
-    (repo / "calc.py").write_text("def add(a, b):\n    return a - b\n")
-    sb = create(Snapshot.from_dir(repo, tcfg.state_dir), tcfg)
-    yield sb
-    sb.close()
-
-
-def test_the_agent_loop_runs_on_the_local_policy(tiny_checkpoint, tok, box):
+def test_the_agent_loop_runs_on_the_local_policy(tiny_checkpoint, tok, calc_box):
     policy = LocalPolicy.from_checkpoint(tiny_checkpoint, SamplingParams(temperature=1.0, seed=0))
     cfg = HarnessConfig(tools=["read_file", "run_shell"], max_turns=3, max_turn_tokens=24)
-    traj = Agent(policy, box, cfg).run("Fix add in calc.py.")
+    traj = Agent(policy, calc_box, cfg).run("Fix add in calc.py.")
     turns = traj.turns
     assert traj.stop_reason in ("finished", "max_turns") and len(turns) >= 2  # garbage replies are observations
     assert traj.metadata["errors"] == []
@@ -169,14 +159,14 @@ def test_policies_sharing_a_runner_batch_their_turns(tiny_checkpoint, tok):
     assert [r.completion_ids for r in together] == [r.completion_ids for r in alone]
 
 
-def test_a_full_context_ends_the_rollout_with_stop_reason_context(tiny_checkpoint, tok, box):
+def test_a_full_context_ends_the_rollout_with_stop_reason_context(tiny_checkpoint, tok, calc_box):
     """The engine's context holds the first prompt and a reply but not the next prompt: the rollout
     stops with "context" instead of failing on the engine's refusal."""
     model, _ = load_checkpoint(tiny_checkpoint, with_mtp=False)
     cfg = HarnessConfig(tools=["read_file", "run_shell"], max_turns=5, max_turn_tokens=16)
-    probe = Agent(LocalPolicy(Engine(model, tok), tok, SamplingParams(seed=0)), box, cfg)
+    probe = Agent(LocalPolicy(Engine(model, tok), tok, SamplingParams(seed=0)), calc_box, cfg)
     first = probe.run("Fix add in calc.py.").turns[0].prompt_tokens
     engine = Engine(model, tok, max_len=first + 24)  # room for one 16-token reply, not for the next prompt
-    traj = Agent(LocalPolicy(engine, tok, SamplingParams(seed=0)), box, cfg).run("Fix add in calc.py.")
+    traj = Agent(LocalPolicy(engine, tok, SamplingParams(seed=0)), calc_box, cfg).run("Fix add in calc.py.")
     assert traj.stop_reason == "context" and len(traj.turns) == 1
     assert traj.metadata["errors"] == []

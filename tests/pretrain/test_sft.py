@@ -32,7 +32,6 @@ from kiln.pretrain.sft_data import (
     segment_tokens,
 )
 from kiln.pretrain.trainer import PretrainError, Run
-from kiln.sandbox import Snapshot, create
 from tests.threads import one_thread  # noqa: F401 - autouse: one torch thread in this module
 from tests.tiny_model import (
     tiny_model,
@@ -96,15 +95,6 @@ def test_segment_tokens_render_the_conversation_and_mask_only_replies(tok):
         segment_tokens(bad, tok)
 
 
-@pytest.fixture(scope="module")
-def box(tcfg, tmp_path_factory):
-    repo = tmp_path_factory.mktemp("repo")
-    (repo / "calc.py").write_text("def add(a, b):\n    return a - b\n")
-    sb = create(Snapshot.from_dir(repo, tcfg.state_dir), tcfg)
-    yield sb
-    sb.close()
-
-
 def check_like_inference(seg: Segment, tok) -> None:
     ids, mask = segment_tokens(seg, tok)
     last = seg.turns[-1]
@@ -117,10 +107,10 @@ def check_like_inference(seg: Segment, tok) -> None:
     assert masked == expected
 
 
-def test_segment_tokens_reproduce_the_local_policys_tokens(tiny_checkpoint, tok, box):
+def test_segment_tokens_reproduce_the_local_policys_tokens(tiny_checkpoint, tok, calc_box):
     # A real agent rollout: replies cut off by max_tokens, each one reported back as a user message.
     policy = LocalPolicy.from_checkpoint(tiny_checkpoint, SamplingParams(temperature=1.0, seed=0))
-    traj = Agent(policy, box, HarnessConfig(tools=["read_file", "run_shell"], max_turns=3, max_turn_tokens=24)).run(
+    traj = Agent(policy, calc_box, HarnessConfig(tools=["read_file", "run_shell"], max_turns=3, max_turn_tokens=24)).run(
         "Fix add in calc.py.")
     assert len(traj.segments) == 1 and len(traj.turns) >= 2
     check_like_inference(traj.segments[0], tok)
