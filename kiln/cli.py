@@ -14,13 +14,10 @@ from kiln.config import Config, ConfigError, config_to_toml, load_config
 HELP = (
     "kiln trains and evaluates coding agents with the Composer 2 recipe.\n\n"
     "Stages: tokenizer -> corpus -> pretrain (continued pretraining, MTP) -> sft -> rl (async RL in "
-    "sandboxes) -> bench (CursorBench-style evaluation). `kiln speedrun` chains the stages built so far.\n\n"
+    "sandboxes) -> bench (CursorBench-style evaluation). `kiln speedrun` chains them all.\n\n"
     "Every command takes --config/-c (a TOML file or preset name: tiny, small), dotted overrides such "
     "as sandbox.memory_mb=512, and --dry-run to print the resolved config and exit."
 )
-
-# Stages `speedrun` does not run yet; it names them so a run says what it skipped.
-PLANNED = ["rl"]  # `agent` exists but is interactive
 
 # Plain tracebacks: complete and greppable in CI logs.
 app = typer.Typer(name="kiln", help=HELP, add_completion=False, pretty_exceptions_enable=False)
@@ -67,9 +64,9 @@ def main(ctx: typer.Context, config: ConfigOpt = None, dry_run: DryRun = False) 
 
 @app.command()
 def speedrun(overrides: Overrides = None, config: ConfigOpt = None, dry_run: DryRun = False) -> None:
-    """Run every stage that exists, end to end, on one config: sandbox demo, tokenizer, corpus,
-    pretrain, SFT, and a bench of the SFT model against the controls on held-out toy tasks; writes
-    <run dir>/report.md. Stages resume where an interrupted run stopped."""
+    """Run every stage end to end on one config: sandbox demo, tokenizer, corpus, pretrain, SFT, a
+    bench of the SFT model against the controls on held-out toy tasks, RL, and the same bench of the
+    RL model; writes <run dir>/report.md. Stages resume where an interrupted run stopped."""
     cfg = resolve(config, overrides, dry_run)
     from kiln.sandbox.demo import run_demo
 
@@ -80,14 +77,14 @@ def speedrun(overrides: Overrides = None, config: ConfigOpt = None, dry_run: Dry
     from kiln.pretrain.data import CorpusError
     from kiln.pretrain.sft_data import SftDataError
     from kiln.pretrain.trainer import PretrainError
+    from kiln.rl.launcher import RLError
     from kiln.speedrun import speedrun as run_all
 
     try:
         run_all(cfg, echo=typer.echo)
-    except (PretrainError, CorpusError, SftDataError, CheckpointError, BenchError) as e:
+    except (PretrainError, CorpusError, SftDataError, CheckpointError, BenchError, RLError) as e:
         typer.echo(f"error: {e}", err=True)
         raise typer.Exit(2) from None
-    typer.echo("not yet available: " + ", ".join(PLANNED))
 
 
 @app.command()
@@ -145,9 +142,10 @@ def _mount_tasks() -> None:
     app.command()(serve)
     from kiln.cli_pretrain import corpus_app
     app.add_typer(corpus_app, name="corpus")
-    from kiln.cli_train import pretrain_cmd, sft_cmd
+    from kiln.cli_train import pretrain_cmd, rl_cmd, sft_cmd
     app.command("pretrain")(pretrain_cmd)
     app.command("sft")(sft_cmd)
+    app.command("rl")(rl_cmd)
 
 
 _mount_tasks()

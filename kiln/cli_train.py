@@ -76,3 +76,27 @@ def sft_cmd(
         raise typer.Exit(2) from None
     typer.echo(f"final loss on assistant tokens: {summary['final_loss']:.4f}")
     typer.echo(f"checkpoint: {summary['checkpoint']}")
+
+
+def rl_cmd(
+    checkpoint: Annotated[str | None, typer.Option(
+        "--checkpoint", help="The policy to train; default: rl.checkpoint, else <run dir>/sft/checkpoint.")] = None,
+    overrides: Overrides = None, config: ConfigOpt = None, dry_run: DryRun = False,
+) -> None:
+    """Asynchronous RL in the harness: a trainer and rl.workers rollout worker processes, groups of
+    rl.group_size rollouts per toy prompt (single epoch), weights shipped as deltas through a store
+    and swapped in mid-rollout; writes <run dir>/rl (metrics.jsonl, the model in checkpoint/).
+    A rerun resumes."""
+    cfg = resolve(config, overrides, dry_run)
+    from kiln.rl.launcher import RLError, rl_dir_of, run_rl
+
+    run_root = os.path.join(cfg.run.out_dir, cfg.run.name)
+    ckpt = checkpoint or cfg.rl.checkpoint or os.path.join(run_root, "sft", "checkpoint")
+    try:
+        summary = run_rl(cfg, ckpt, rl_dir_of(cfg))
+    except RLError as e:
+        typer.echo(f"error: {e}", err=True)
+        raise typer.Exit(2) from None
+    last = summary["metrics"][-1] if summary["metrics"] else {}
+    typer.echo(f"rl: {len(summary['metrics'])} steps; last reward {last.get('reward_mean', float('nan')):+.3f}")
+    typer.echo(f"checkpoint: {summary['checkpoint']}")

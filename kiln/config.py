@@ -157,7 +157,8 @@ class PretrainConfig(Section):
     SFT phases are `kiln sft`'s (agent trajectories, from the pretrained checkpoint; the tiny one
     takes about 6 minutes)."""
     phases: list[PhaseConfig] = [
-        PhaseConfig(name="bulk", kind="bulk", steps=180, seq_len=256, batch_size=16, lr=3e-3, warmup_steps=15),
+        # lr 2e-3 after a 30-step warmup: 3e-3 after 15 spiked past ln(vocab) at the first evaluation in one run.
+        PhaseConfig(name="bulk", kind="bulk", steps=180, seq_len=256, batch_size=16, lr=2e-3, warmup_steps=30),
         PhaseConfig(name="extension", kind="extension", steps=30, seq_len=1024, batch_size=4, lr=1e-3,
                     warmup_steps=3, rope_theta=40000.0),
         # One level-1 toy rollout per row (~2,100 tokens, at most ~2,600): ~6 s a step on 2 cores,
@@ -215,6 +216,43 @@ class SpeedrunConfig(Section):
     passes: int = Field(1, ge=1)
 
 
+class RLConfig(Section):
+    """`kiln rl`: asynchronous RL of the SFT model in the harness (kiln/rl/)."""
+    checkpoint: str = ""  # the policy to train; empty = <run dir>/sft/checkpoint
+    tasks: int = Field(64, ge=1)  # toy train-split prompts; single epoch: each is trained on at most once
+    level: int = Field(1, ge=0, le=3)  # their level; 0 = levels 1-3 in turn
+    task_seed: int = Field(1000, ge=0)  # the first toy index: past the SFT data's tasks
+    steps: int = Field(8, ge=1)  # trainer steps (one new weight version each)
+    group_size: int = Field(4, ge=2)  # G rollouts per prompt, from forks of one task sandbox
+    groups_per_step: int = Field(2, ge=1)
+    max_lag: int = Field(1, ge=0)  # admission: never start a rollout its step would train > max_lag versions later
+    workers: int = Field(2, ge=1)  # rollout worker processes
+    temperature: float = Field(1.0, gt=0)
+    lr: float = Field(1e-5, gt=0)  # Adam, full parameters, constant
+    betas: tuple[float, float] = (0.9, 0.999)
+    grad_clip: float = Field(1.0, ge=0)
+    aggregation: Literal["constant", "token_mean", "seq_mean"] = "constant"  # Dr. GRPO: constant
+    loss_constant: float = Field(1024.0, gt=0)  # "constant": summed token terms / this
+    scale_std: bool = False  # divide advantages by the group's std (GRPO) instead of Dr. GRPO's plain centring
+    tis_cap: float | None = Field(None, gt=0)  # truncated importance sampling with the sampler's logprobs; None = off
+    kl_coef: float = Field(0.0, ge=0)  # k1 estimate of KL to the frozen start policy, summed per rollout, in the reward
+    replay_ratio: float = Field(0.5, ge=0, le=1)  # router replay's plausibility filter (model/moe.py)
+    # Length penalty lambda * C(x), C(x) = ((1 + k x)^(1-q) - 1) / (k (1-q)); x weighs the effort counts.
+    length_lambda: float = Field(1e-4, ge=0)
+    length_k: float = Field(1e-3, gt=0)
+    length_q: float = Field(0.5, gt=0)
+    length_weights: dict[str, float] = {"thinking_tokens": 1.0, "tool_call_tokens": 1.0, "tool_output_tokens": 0.1,
+                                        "final_tokens": 1.0, "tool_calls": 20.0, "turns": 50.0}
+    # Behaviour terms subtracted from the reward: weight x count (grading's behaviour/quality/efficiency axes).
+    behaviour_weights: dict[str, float] = {"unfinished_todos": 0.1, "tool_errors": 0.05, "malformed_calls": 0.05,
+                                           "reasoning_comments": 0.1, "terminal_only": 0.1}
+    upsample: float = Field(1.0, ge=0)  # later prompts lean toward kinds whose groups took more turns/thinking; 0 = off
+    store: str = ""  # weight store: a folder or s3://bucket/prefix; empty = <run dir>/rl/weights
+    anchor_every: int = Field(10, ge=1)  # a full weight anchor every N versions, deltas between
+    timeout_s: float = Field(600.0, gt=0)  # every cross-process wait
+    eval_tasks: int = Field(0, ge=0)  # held-out eval-split tasks benched before and after; 0 = speedrun's
+
+
 class Config(Section):
     run: RunConfig = RunConfig()
     sandbox: SandboxConfig = SandboxConfig()
@@ -226,6 +264,7 @@ class Config(Section):
     sft: SftConfig = SftConfig()
     bench: BenchConfig = BenchConfig()
     speedrun: SpeedrunConfig = SpeedrunConfig()
+    rl: RLConfig = RLConfig()
 
 
 # ---------------------------------------------------------------------------------------- loading

@@ -2,7 +2,8 @@
 
 tokenizer -> corpus -> pretrain (bulk + extension, MTP cut in mid-bulk) -> SFT data (the oracle on
 toy train-split tasks) -> SFT -> bench of the SFT model on held-out toy tasks, beside the oracle
-and noop controls on the same suite. Each stage resumes or skips what a previous run finished, so
+and noop controls on the same suite -> RL of the SFT model (`kiln rl`) -> the same bench of the
+RL model. Each stage resumes or skips what a previous run finished, so
 an interrupted speedrun continues where it stopped; stage wall times go into the report.
 """
 from __future__ import annotations
@@ -59,22 +60,25 @@ def eval_suite(cfg, path: str, echo=print) -> str:
     return path
 
 
-def bench_all(cfg, suite: str, checkpoint: str, run_dir: Path, echo=print) -> dict:
-    """The SFT model (policy local) and the controls on `suite`; {policy: summary}."""
+def bench_one(cfg, suite: str, label: str, policy: str, run_dir: Path, checkpoint: str = "", echo=print) -> dict:
+    """One policy on `suite` into <run dir>/bench-<label>; its summary."""
     from kiln.bench.run import run_bench
 
     local = cfg.model_copy(deep=True)
     local.policy.checkpoint = checkpoint
-    out = {}
-    for policy in ("local", *CONTROLS):
-        bench_dir = run_dir / f"bench-{policy}"
-        s = run_bench(suite, policy, passes=cfg.speedrun.passes, workers=cfg.bench.workers, out_dir=str(bench_dir),
-                      config=local if policy == "local" else cfg)
-        rate = s["tool_call_parse_rate"]
-        echo(f"bench {policy}: correctness {s['correctness_mean']:.3f} over {s['n_rollouts']} rollouts, tool calls "
-             f"parsed {'-' if rate is None else f'{rate:.1%}'} -> {bench_dir / 'report.md'}")
-        out[policy] = s
-    return out
+    bench_dir = run_dir / f"bench-{label}"
+    s = run_bench(suite, policy, passes=cfg.speedrun.passes, workers=cfg.bench.workers, out_dir=str(bench_dir),
+                  config=local)
+    rate = s["tool_call_parse_rate"]
+    echo(f"bench {label}: correctness {s['correctness_mean']:.3f} over {s['n_rollouts']} rollouts, tool calls "
+         f"parsed {'-' if rate is None else f'{rate:.1%}'} -> {bench_dir / 'report.md'}")
+    return s
+
+
+def bench_all(cfg, suite: str, checkpoint: str, run_dir: Path, echo=print) -> dict:
+    """The SFT model (policy local) and the controls on `suite`; {label: summary}."""
+    return {p: bench_one(cfg, suite, p, p, run_dir, checkpoint if p == "local" else "", echo)
+            for p in ("local", *CONTROLS)}
 
 
 def speedrun(cfg, echo=print) -> Path:
@@ -83,6 +87,7 @@ def speedrun(cfg, echo=print) -> Path:
     from kiln.pretrain.sft import sft
     from kiln.pretrain.sft_data import collect_oracle_trajectories
     from kiln.pretrain.trainer import pretrain
+    from kiln.rl.launcher import run_rl
     from kiln.speedrun_report import write_report
 
     run_dir = Path(cfg.run.out_dir, cfg.run.name)
@@ -109,6 +114,8 @@ def speedrun(cfg, echo=print) -> Path:
     tuned = stage("sft", lambda: sft(cfg, pre["checkpoint"], [str(p) for p in trajs], run_dir / "sft"))
     suite = stage("eval suite", lambda: eval_suite(cfg, str(run_dir / "suite-eval"), echo))
     benches = stage("bench", lambda: bench_all(cfg, suite, tuned["checkpoint"], run_dir, echo))
-    report = write_report(run_dir, cfg, corpus, pre, len(trajs), tuned, benches, times)
+    rl = stage("rl", lambda: run_rl(cfg, tuned["checkpoint"], str(run_dir / "rl")))
+    benches["rl"] = stage("bench rl", lambda: bench_one(cfg, suite, "rl", "local", run_dir, rl["checkpoint"], echo))
+    report = write_report(run_dir, cfg, corpus, pre, len(trajs), tuned, benches, times, rl)
     echo(f"speedrun: {sum(times.values()) / 60:.1f} min of stages -> {report}")
     return report

@@ -44,8 +44,9 @@ def plot_training(pre_metrics: Path, sft_metrics: Path, path: Path) -> Path:
 
 
 def write_report(run_dir: Path, cfg, corpus: dict, pre: dict, n_trajs: int, tuned: dict, benches: dict,
-                 times: dict[str, float]) -> Path:
+                 times: dict[str, float], rl: dict | None = None) -> Path:
     from kiln.pretrain.corpus import describe_corpus
+    from kiln.rl.report import plot_rl, rl_lines
 
     run_dir = Path(run_dir)
     plot = plot_training(Path(pre["metrics"]), Path(tuned["metrics"]), run_dir / "training_loss.png")
@@ -80,10 +81,17 @@ def write_report(run_dir: Path, cfg, corpus: dict, pre: dict, n_trajs: int, tune
                f"{tuned['steps']} steps; final loss on assistant tokens {tuned['final_loss']:.4f}."), "",
               f"![training loss]({rel(plot)})", ""]
 
+    if rl is not None:
+        lines += ["## RL", "", (f"`kiln rl`: groups of {cfg.rl.group_size} rollouts per toy prompt (train split, "
+                                f"level {cfg.rl.level or '1-3'}), {cfg.rl.groups_per_step} groups a step, "
+                                f"{cfg.rl.workers} rollout workers, max lag {cfg.rl.max_lag}."), ""]
+        lines += rl_lines(rl["metrics"], rel(plot_rl(rl["metrics"], run_dir / "rl.png")) if rl["metrics"] else "",
+                          cfg.rl.group_size)
+
     lines += ["## Evaluation on held-out toy tasks", "",
               (f"{cfg.speedrun.eval_tasks} task(s) of the eval split (level {cfg.speedrun.eval_level or '1-3'}), "
                f"{cfg.speedrun.passes} pass(es). `local` is the SFT model; `oracle` and `noop` are the controls "
-               "(the gold patch through the same tools, and doing nothing)."), ""]
+               "(the gold patch through the same tools, and doing nothing); `rl` is the model after RL."), ""]
     rows = []
     for policy, s in benches.items():
         rate = s["tool_call_parse_rate"]

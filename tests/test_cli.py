@@ -5,7 +5,7 @@ import sys
 
 from typer.testing import CliRunner
 
-from kiln.cli import PLANNED, app
+from kiln.cli import app
 
 runner = CliRunner()
 
@@ -49,6 +49,7 @@ TINY_SPEEDRUN = [
      '{name="extension", kind="extension", steps=2, seq_len=128, batch_size=2, lr=1e-3, rope_theta=20000.0}, '
      '{name="sft", kind="sft", steps=2, seq_len=2560, batch_size=1, lr=1e-3}]'),
     "sft.oracle_tasks=2", "speedrun.eval_tasks=1", "harness.max_turns=6", "harness.max_turn_tokens=32",
+    "rl.tasks=2", "rl.steps=1", "rl.groups_per_step=1", "rl.group_size=2", "rl.workers=1", "rl.timeout_s=300",
 ]
 
 
@@ -64,14 +65,15 @@ def test_speedrun_runs_every_stage_and_writes_the_report(tmp_path):
         assert (run / stage / "checkpoint" / "model.safetensors").exists()
     assert "bench oracle: correctness 1.000 over 1 rollouts" in result.stdout
     assert "bench noop: correctness 0.000 over 1 rollouts" in result.stdout
-    assert "bench local: correctness" in result.stdout
+    assert "bench local: correctness" in result.stdout and "bench rl: correctness" in result.stdout
+    assert (run / "rl" / "checkpoint" / "model.safetensors").exists()
     report = (run / "report.md").read_text()
-    for section in ("## Stages", "## Corpus", "## Pretraining", "## SFT", "## Evaluation on held-out toy tasks"):
+    for section in ("## Stages", "## Corpus", "## Pretraining", "## SFT", "## RL", "## Evaluation on held-out toy tasks"):
         assert section in report
     assert "![held-out loss](pretrain/heldout_loss.png)" in report and (run / "pretrain" / "heldout_loss.png").exists()
     assert "![training loss](training_loss.png)" in report and (run / "training_loss.png").stat().st_size > 0
     assert "| oracle | 1 | 1.000" in report and "| noop | 1 | 0.000" in report
-    assert "not yet available: " + ", ".join(PLANNED) in result.stdout
+    assert "![rl](rl.png)" in report and (run / "rl.png").stat().st_size > 0
 
     again = runner.invoke(app, ["speedrun", f"sandbox.state_dir={tmp_path}", f"run.out_dir={tmp_path}",
                                 *TINY_SPEEDRUN])  # a finished run resumes: every stage is reused

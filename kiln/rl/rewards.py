@@ -48,3 +48,20 @@ class LengthPenalty:
 def k1(logp: torch.Tensor, logp_ref: torch.Tensor) -> torch.Tensor:
     """Per-token k1 estimate of KL(pi || pi_ref) at the sampled tokens, detached (a reward term)."""
     return (logp - logp_ref).detach()
+
+
+def reward_axes(grades: dict[str, dict], rl) -> dict[str, float]:
+    """A graded rollout's reward, axis by axis (each logged on its own): correctness, minus the
+    length penalty on the efficiency counts, minus weight x count of each behaviour term (looked up
+    in the behaviour, quality and efficiency axes). `rl`: the config's rl section. The k1 term is
+    the trainer's: only it holds the reference model."""
+    penalty = LengthPenalty(rl.length_lambda, rl.length_k, rl.length_q, rl.length_weights)
+    found = {**grades.get("efficiency", {}), **grades.get("quality", {}), **grades.get("behaviour", {})}
+    missing = sorted(set(rl.behaviour_weights) - set(found))
+    if missing:
+        raise ValueError(f"rl.behaviour_weights names {missing}, which no grading axis reports; "
+                         f"use some of {sorted(k for k, v in found.items() if isinstance(v, (int, float)))}")
+    axes = {"correctness": float(grades["correctness"]["score"]),
+            "length": -penalty(grades.get("efficiency", {}))}
+    axes.update({f"behaviour/{k}": -w * float(found[k]) for k, w in rl.behaviour_weights.items()})
+    return axes

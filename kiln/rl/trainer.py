@@ -1,0 +1,149 @@
+"""One RL optimizer step on finished groups: rewards (k1 included), advantages, the replayed
+forward, the policy-gradient loss, Adam, and the step's metrics.
+
+The trainer scores each sampled token under softmax(logits / temperature), the distribution the
+sampler drew it from and recorded the logprob of. Only target positions go through the output
+head (a rollout is mostly prompt and tool output). Rows are processed a few at a time and the
+gradients accumulate; each chunk's loss is scaled so the sum equals the loss over the whole batch
+under every aggregation.
+"""
+from __future__ import annotations
+
+import math
+import time
+from collections import Counter
+from dataclasses import dataclass
+
+import torch
+
+from .batch import Batch, collate, sequences
+from .loss import group_advantages, policy_loss
+from .rewards import k1
+
+ROWS_PER_CHUNK = 4
+
+
+@dataclass
+class Group:
+    """A prompt's G finished rollouts, as the orchestrator hands them to the trainer."""
+    id: int
+    task_id: str
+    kind: str  # what upsampling groups prompts by (the task's category and difficulty)
+    trajectories: list  # harness Trajectory objects with token data
+    rewards: list[dict[str, float]]  # per rollout: reward axes from rewards.reward_axes
+    started_version: int  # the sampler's version when the group started
+
+
+def target_logp(model, batch: Batch, rows: slice, temperature: float, replay: bool, replay_ratio: float):
+    """[rows, T-1] logprobs of the targets (0 elsewhere) and the number of replayed experts replaced."""
+    ids, mask = batch.ids[rows], batch.mask[rows]
+    routes = batch.routes[rows] if (replay and batch.routes is not None) else None
+    out = model.trunk(ids, routes=routes, replay_ratio=replay_ratio)
+    keep = mask.bool()
+    h = out.hidden[:, :-1][keep]  # only where a target is scored
+    logits = model.head(h).float() / temperature
+    lp = torch.log_softmax(logits, -1).gather(-1, ids[:, 1:][keep][:, None])[:, 0]
+    full = torch.zeros(mask.shape, dtype=lp.dtype)
+    full = full.masked_scatter(keep, lp)
+    return full, out.replaced
+
+
+class RLTrainer:
+    def __init__(self, model, rl, ref_model=None, version: int = 0):
+        self.model, self.rl, self.ref, self.version = model, rl, ref_model, version
+        self.opt = torch.optim.Adam(model.parameters(), lr=rl.lr, betas=tuple(rl.betas))
+        if ref_model is not None:
+            ref_model.requires_grad_(False).eval()
+
+    def step(self, groups: list[Group]) -> dict:
+        """Train on the groups; returns the step's metrics (the version after it included)."""
+        t0, rl = time.monotonic(), self.rl
+        trajs = [t for g in groups for t in g.trajectories]
+        axes = [r for g in groups for r in g.rewards]
+        gid = torch.tensor([g.id for g in groups for _ in g.trajectories])
+        seqs = [s for i, t in enumerate(trajs) for s in sequences(t, i)]
+        batch = collate(seqs)
+        n_rows, n_tokens = len(seqs), float(batch.mask.sum())
+
+        kl = torch.zeros(len(trajs))  # summed k1 per rollout, in the reward (detached)
+        self.model.train()
+        with torch.no_grad():
+            if self.ref is not None and rl.kl_coef > 0:
+                for rows in _chunks(n_rows):
+                    pol, _ = target_logp(self.model, batch, rows, rl.temperature, True, rl.replay_ratio)
+                    ref, _ = target_logp(self.ref, batch, rows, rl.temperature, True, rl.replay_ratio)
+                    kl.index_add_(0, batch.traj[rows], (k1(pol, ref) * batch.mask[rows]).sum(1))
+        reward = torch.tensor([sum(a.values()) for a in axes]) - rl.kl_coef * kl
+        adv = group_advantages(reward, gid, scale_std=rl.scale_std)
+
+        self.opt.zero_grad(set_to_none=True)
+        loss_sum, replaced = 0.0, 0
+        trainer_lp = torch.zeros_like(batch.mask)
+        for rows in _chunks(n_rows):
+            lp, r = target_logp(self.model, batch, rows, rl.temperature, True, rl.replay_ratio)
+            loss = _chunk_loss(lp, adv[batch.traj[rows]], batch, rows, rl, n_rows, n_tokens)
+            loss.backward()
+            loss_sum += float(loss.detach())
+            replaced += r
+            trainer_lp[rows] = lp.detach()
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), rl.grad_clip or math.inf))
+        self.opt.step()
+        self.version += 1
+        return {"version": self.version, "loss": loss_sum, "grad_norm": grad_norm, "replaced_experts": replaced,
+                **_mismatch(trainer_lp, batch), **_reward_metrics(groups, reward, kl),
+                **_tokens(trajs), "lag": _lag(batch, self.version - 1),
+                "train_tokens": int(n_tokens), "step_s": time.monotonic() - t0,
+                "tokens_per_s": n_tokens / max(time.monotonic() - t0, 1e-9)}
+
+
+def _chunks(n: int):
+    return [slice(i, min(i + ROWS_PER_CHUNK, n)) for i in range(0, n, ROWS_PER_CHUNK)]
+
+
+def _chunk_loss(lp, adv, batch: Batch, rows: slice, rl, n_rows: int, n_tokens: float) -> torch.Tensor:
+    """This chunk's share of the whole batch's loss under the configured aggregation."""
+    mask = batch.mask[rows]
+    tis = {"sampler_logp": batch.sampler_logp[rows], "tis_cap": rl.tis_cap} if rl.tis_cap else {}
+    if rl.aggregation == "constant":
+        return policy_loss(lp, adv, mask, "constant", rl.loss_constant, **tis)
+    if rl.aggregation == "token_mean":  # sum over the chunk / tokens of the whole batch
+        return policy_loss(lp, adv, mask, "constant", max(n_tokens, 1.0), **tis)
+    return policy_loss(lp, adv, mask, "seq_mean", **tis) * (mask.shape[0] / n_rows)
+
+
+def _mismatch(trainer_lp: torch.Tensor, batch: Batch) -> dict:
+    """Train/inference mismatch on the sampled tokens: KL(sampler || trainer) by k1 and k3, the
+    largest logprob gap, and statistics of the ratio pi_trainer / pi_sampler."""
+    keep = batch.mask.bool()
+    if not keep.any():
+        return {}
+    d = (trainer_lp - batch.sampler_logp)[keep]  # log(pi_train / pi_sampler)
+    ratio = d.exp()
+    return {"mismatch_kl_k1": float(-d.mean()), "mismatch_kl_k3": float((ratio - 1 - d).mean()),
+            "mismatch_max_abs": float(d.abs().max()), "ratio_mean": float(ratio.mean()),
+            "ratio_min": float(ratio.min()), "ratio_max": float(ratio.max())}
+
+
+def _reward_metrics(groups: list[Group], reward: torch.Tensor, kl: torch.Tensor) -> dict:
+    axes: dict[str, list[float]] = {}
+    for g in groups:
+        for a in g.rewards:
+            for k, v in a.items():
+                axes.setdefault(k, []).append(v)
+    best = [max(a["correctness"] for a in g.rewards) for g in groups]  # best-of-K: any rollout solved it
+    out = {f"reward/{k}": sum(v) / len(v) for k, v in axes.items()}
+    out.update({"reward/kl": -float(kl.mean()), "reward_mean": float(reward.mean()),
+                "solved_mean": sum(axes["correctness"]) / len(axes["correctness"]),
+                "solved_best_of_k": sum(best) / len(best)})
+    return out
+
+
+def _tokens(trajs) -> dict:
+    kinds = ("thinking_tokens", "tool_call_tokens", "tool_output_tokens", "final_tokens")
+    return {f"tokens/{k}": sum(getattr(t.effort, k) for t in trajs) for k in kinds}
+
+
+def _lag(batch: Batch, trained_at: int) -> dict[str, int]:
+    """How many versions behind the trained policy each target token was sampled: {lag: tokens}."""
+    v = batch.version[batch.mask.bool()]
+    return {str(k): n for k, n in sorted(Counter((trained_at - v).tolist()).items())}

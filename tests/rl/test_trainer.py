@@ -1,0 +1,96 @@
+"""The RL trainer step on real engine samples of a tiny MoE: token rows, replayed forward, update."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kiln.config import Config
+from kiln.engine import Engine, SamplingParams
+from kiln.harness.trajectory import Segment, Trajectory, TurnRecord
+from kiln.model.checkpoint import load_checkpoint
+from kiln.model.tokenizer import load_tokenizer
+from kiln.rl.batch import BatchError, collate, sequences
+from kiln.rl.trainer import Group, RLTrainer, target_logp
+from tests.threads import one_thread  # noqa: F401
+
+
+def _turn(c, version_note=None) -> TurnRecord:
+    return TurnRecord(text=c.text, prompt_ids=c.prompt_ids, completion_ids=c.token_ids, logprobs=c.logprobs,
+                      versions=c.versions, routes=c.routes)
+
+
+def _traj(engine, prompt, seed, turns=2) -> Trajectory:
+    """A multi-turn trajectory whose second prompt extends the first turn's tokens exactly."""
+    params = SamplingParams(temperature=1.0, max_tokens=12, seed=seed, stop_token_ids=())
+    recs, ids = [], list(prompt)
+    for t in range(turns):
+        c = engine.generate([ids], params)[0]
+        recs.append(_turn(c))
+        ids = ids + c.token_ids + [5 + t, 6 + t]  # "tool output" tokens after the reply
+    return Trajectory(task_id=f"t{seed}", segments=[Segment(turns=recs)])
+
+
+@pytest.fixture(scope="module")
+def setup(tiny_checkpoint):
+    model, _ = load_checkpoint(tiny_checkpoint, with_mtp=False)
+    tok = load_tokenizer(tiny_checkpoint)
+    engine = Engine(model, tok, max_batch=4, max_len=256)
+    trajs = [_traj(engine, [1, 20 + i, 30, 40], seed=i) for i in range(4)]
+    return tiny_checkpoint, trajs
+
+
+def test_turns_of_a_segment_are_one_sequence_and_targets_are_the_generated_tokens(setup):
+    _, trajs = setup
+    seqs = sequences(trajs[0], index=3)
+    assert len(seqs) == 1  # the second prompt extends the first turn's ids
+    s, turns = seqs[0], trajs[0].segments[0].turns
+    assert s.ids == turns[1].prompt_ids + turns[1].completion_ids
+    gen = [t for i, t in enumerate(s.ids) if s.target[i]]
+    assert gen == turns[0].completion_ids + turns[1].completion_ids
+    assert [x for i, x in enumerate(s.logp) if s.target[i]] == turns[0].logprobs + turns[1].logprobs
+    assert s.traj == 3
+    # A prompt that does not extend the chain starts a new sequence.
+    broken = Trajectory(segments=[Segment(turns=[turns[0], TurnRecord(
+        "x", prompt_ids=[1, 2, 3], completion_ids=[4], logprobs=[-0.5], versions=[0])])])
+    assert [len(q.ids) for q in sequences(broken)] == [len(turns[0].prompt_ids) + len(turns[0].completion_ids), 4]
+    with pytest.raises(BatchError, match="local policy"):
+        sequences(Trajectory(segments=[Segment(turns=[TurnRecord("text only")])]))
+
+
+def test_replayed_trainer_logprobs_match_the_sampler(setup):
+    ckpt, trajs = setup
+    model, _ = load_checkpoint(ckpt, with_mtp=False)
+    batch = collate([s for i, t in enumerate(trajs) for s in sequences(t, i)])
+    with torch.no_grad():
+        lp, replaced = target_logp(model, batch, slice(0, len(batch.ids)), 1.0, True, 0.5)
+    keep = batch.mask.bool()
+    assert keep.sum() == sum(len(tr.completion_ids) for t in trajs for tr in t.turns)
+    assert (lp - batch.sampler_logp)[keep].abs().max() < 1e-4
+    assert replaced == 0
+
+
+@pytest.mark.parametrize("aggregation", ["constant", "token_mean", "seq_mean"])
+def test_a_step_moves_logprobs_with_the_advantage_and_logs_the_metrics(setup, aggregation):
+    ckpt, trajs = setup
+    model, _ = load_checkpoint(ckpt, with_mtp=False)
+    rl = Config().rl.model_copy(update={"lr": 3e-3, "aggregation": aggregation, "kl_coef": 0.1})
+    ref, _ = load_checkpoint(ckpt, with_mtp=False)
+    trainer = RLTrainer(model, rl, ref_model=ref, version=0)
+    rewards = [{"correctness": 1.0, "length": -0.1}, {"correctness": 0.0, "length": -0.1},
+               {"correctness": 0.0, "length": -0.2}, {"correctness": 0.0, "length": 0.0}]
+    groups = [Group(0, "a", "k", trajs[:2], rewards[:2], 0), Group(1, "b", "k", trajs[2:], rewards[2:], 0)]
+    batch = collate([s for i, t in enumerate(trajs) for s in sequences(t, i)])
+    rows = slice(0, len(batch.ids))
+    with torch.no_grad():
+        before, _ = target_logp(model, batch, rows, 1.0, True, 0.5)
+    m = trainer.step(groups)
+    with torch.no_grad():
+        after, _ = target_logp(model, batch, rows, 1.0, True, 0.5)
+    gain = ((after - before) * batch.mask).sum(1)  # one row per trajectory here
+    assert gain[0] > 0 > gain[1]  # the solved rollout became likelier, its group mate less likely
+    assert m["version"] == trainer.version == 1
+    assert m["mismatch_kl_k3"] < 1e-6 and m["ratio_min"] > 0.999
+    assert m["solved_mean"] == 0.25 and m["solved_best_of_k"] == 0.5
+    assert m["reward/kl"] == 0.0  # the reference is the starting policy
+    assert m["lag"] == {"0": int(batch.mask.sum())}
+    assert m["tokens_per_s"] > 0 and m["grad_norm"] > 0
