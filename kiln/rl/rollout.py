@@ -71,9 +71,7 @@ def run_group(task, group_id: int, cfg, runner, out_dir: str, seed: int) -> str:
     path = os.path.join(gdir, "group.json")
     with open(path + ".tmp", "w") as f:
         json.dump({"id": group_id, "task_id": task.id, "kind": task_kind(task), "trajectories": paths,
-                   "rewards": rewards, "cost": cost,
-                   "started_version": min((v for t in trajs for tr in t.turns for v in (tr.versions or [])),
-                                          default=-1)}, f)
+                   "rewards": rewards, "cost": cost}, f)
     os.replace(path + ".tmp", path)
     return path
 
@@ -81,5 +79,4 @@ def run_group(task, group_id: int, cfg, runner, out_dir: str, seed: int) -> str:
 def load_group(path: str) -> Group:
     with open(path) as f:
         d = json.load(f)
-    return Group(d["id"], d["task_id"], d["kind"], [Trajectory.load(p) for p in d["trajectories"]], d["rewards"],
-                 d["started_version"])
+    return Group(d["id"], d["task_id"], d["kind"], [Trajectory.load(p) for p in d["trajectories"]], d["rewards"])

@@ -31,7 +31,6 @@ class Group:
     kind: str  # what upsampling groups prompts by (the task's category and difficulty)
     trajectories: list  # harness Trajectory objects with token data
     rewards: list[dict[str, float]]  # per rollout: reward axes from rewards.reward_axes
-    started_version: int  # the sampler's version when the group started
 
 
 def target_logp(model, batch: Batch, rows: slice, temperature: float, replay: bool, replay_ratio: float):

@@ -78,7 +78,7 @@ def test_a_step_moves_logprobs_with_the_advantage_and_logs_the_metrics(setup, ag
     trainer = RLTrainer(model, rl, ref_model=ref, version=0)
     rewards = [{"correctness": 1.0, "length": -0.1}, {"correctness": 0.0, "length": -0.1},
                {"correctness": 0.0, "length": -0.2}, {"correctness": 0.0, "length": 0.0}]
-    groups = [Group(0, "a", "k", trajs[:2], rewards[:2], 0), Group(1, "b", "k", trajs[2:], rewards[2:], 0)]
+    groups = [Group(0, "a", "k", trajs[:2], rewards[:2]), Group(1, "b", "k", trajs[2:], rewards[2:])]
     batch = collate([s for i, t in enumerate(trajs) for s in sequences(t, i)])
     rows = slice(0, len(batch.ids))
     with torch.no_grad():
