@@ -21,6 +21,7 @@ import torch
 from kiln.engine.detok import Detokenizer
 from kiln.engine.fast import FastTrunk
 from kiln.engine.kvcache import KVCache
+from kiln.engine.native import MAX_TOKENS, NativeTrunk, library, supported
 from kiln.engine.sampling import (
     SamplingParams,
     make_generator,
@@ -75,7 +76,7 @@ class Request:
 
 class Engine:
     def __init__(self, model, tokenizer=None, mtp=None, max_batch: int = 8, max_len: int | None = None,
-                 version: int = 0, capture_routes: bool = True):
+                 version: int = 0, capture_routes: bool = True, native: bool = True):
         cfg = model.config
         self.model, self.tok, self.mtp = model, tokenizer, mtp
         self.version, self.capture_routes = version, capture_routes
@@ -89,6 +90,9 @@ class Engine:
             mtp.depth, max_batch, self.max_len, cfg.num_key_value_heads, cfg.head_dim, self.dtype, self.device)
         self.default_stop_ids = _stop_ids(tokenizer, cfg)
         self.fast = FastTrunk(model) if self.dtype == torch.float32 else None
+        # One sequence on the CPU: native.c's step (no per-op dispatch); `native=False` opts out.
+        lib = library() if native and self.device.type == "cpu" and supported(model) else None
+        self.native = NativeTrunk(model, lib, self.max_len) if lib is not None else None
         self.running: list[Request] = []
         self.waiting: queue.Queue[Request] = queue.Queue()
         self._pending: tuple | None = None
@@ -172,8 +176,9 @@ class Engine:
             return
         state, version, mtp_state = pending
         _copy_into(self.model, state)
-        if self.fast is not None:
-            self.fast.refresh()
+        for trunk in (self.fast, self.native):
+            if trunk is not None:
+                trunk.refresh()
         if mtp_state is not None and self.mtp is not None:
             _copy_into(self.mtp, mtp_state)
         self.version = version
@@ -192,16 +197,19 @@ class Engine:
             hidden = self.forward(slot, torch.tensor([r.prompt_ids], device=self.device),
                                   torch.arange(len(r.prompt_ids), device=self.device)[None], [r])
             r.length = len(r.prompt_ids)
-            self.emit(r, [self.sample(r, self.model.head(hidden[0, -1]).float().cpu())])
+            self.emit(r, [self.sample(r, self.head(hidden[0, -1]).float().cpu())])
             if self.mtp is not None and r.finish_reason is None:
                 draft(self, slot, [r], hidden, start_positions=[0], n_valid=[r.length])
 
     def forward(self, start: int, ids: torch.Tensor, positions: torch.Tensor, reqs: list[Request]):
         """The main trunk over slots start.. with the cache -> hidden states [B, T, D]."""
-        self.cache.begin(start, positions)
-        if self.fast is not None:
+        if self.native is not None and ids.shape[0] == 1 and ids.shape[1] <= MAX_TOKENS:
+            hidden, routes = self.native(ids, positions, self.cache, start)
+        elif self.fast is not None:
+            self.cache.begin(start, positions)
             hidden, routes = self.fast(ids, positions, self.cache)
         else:
+            self.cache.begin(start, positions)
             out = self.model.trunk(ids, positions=positions, cache=self.cache)
             hidden, routes = out.hidden, out.routes
         if self.capture_routes and routes is not None:
@@ -213,10 +221,14 @@ class Engine:
         rs = self.running
         ids = torch.tensor([[r.tokens[-1]] for r in rs], device=self.device)
         pos = torch.tensor([[r.length] for r in rs], device=self.device)
-        logits = self.model.head(self.forward(0, ids, pos, rs)[:, -1]).float().cpu()
+        logits = self.head(self.forward(0, ids, pos, rs)[:, -1]).float().cpu()
         for i, r in enumerate(rs):
             r.length += 1
             self.emit(r, [self.sample(r, logits[i])], fed=1)
+
+    def head(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Logits of hidden states (the native head where the native step runs)."""
+        return self.native.head(hidden) if self.native is not None else self.model.head(hidden)
 
     def sample(self, r: Request, logits: torch.Tensor) -> tuple[int, float]:
         """logits: one row on the CPU (each request's generator is a CPU generator)."""

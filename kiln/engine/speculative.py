@@ -44,13 +44,13 @@ class SpecStats:
 
 
 def spec_step(engine) -> None:
-    rs, model = engine.running, engine.model
+    rs = engine.running
     depth = engine.mtp.depth
     ids = torch.tensor([[r.tokens[-1]] + r.drafts for r in rs], device=engine.device)
     starts = [r.length for r in rs]
     pos = torch.tensor(starts, device=engine.device)[:, None] + torch.arange(depth + 1, device=engine.device)
     hidden = engine.forward(0, ids, pos, rs)
-    logits = model.head(hidden).float().cpu()  # sampling and acceptance run on the CPU
+    logits = engine.head(hidden).float().cpu()  # sampling and acceptance run on the CPU
     n_valid = []
     for b, r in enumerate(rs):
         new, a = verify(r, logits[b], depth)

@@ -1,0 +1,183 @@
+"""The native decoding step (native.c): one sequence, a few tokens, fp32 on the CPU.
+
+Built once per machine with the system C compiler into `~/.cache/kiln/native/` (keyed by the
+source, the compiler and the CPU, since it is compiled for this CPU's vector units) and loaded
+with ctypes; it reads the model's parameters in place, so a weight update (`Engine.update_weights`
+copies into them) needs no rebuild. Where no compiler is found, or `KILN_NATIVE=0`, the engine
+decodes with `FastTrunk` as before.
+
+The engine uses it for forwards of one sequence and at most `MAX_TOKENS` tokens (decoding and
+speculative verification, so both take the same per-token arithmetic); prefills and batches go
+through torch, where matrix-matrix products win.
+"""
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import warnings
+from pathlib import Path
+
+import torch
+
+from kiln.model.moe import MoeBlock
+
+MAX_TOKENS = 16
+SOURCE = Path(__file__).with_name("native.c")
+FLAGS = ["-O3", "-march=native", "-fPIC", "-shared"]
+_P = ctypes.POINTER(ctypes.c_float)
+_PP = ctypes.POINTER(_P)
+
+
+class _Model(ctypes.Structure):
+    _fields_ = ([(n, ctypes.c_int) for n in ("n_layers", "dim", "n_heads", "n_kv_heads", "head_dim", "n_experts",
+                                             "top_k", "moe_inner", "dense_inner", "norm_topk", "max_tokens")]
+                + [("eps", ctypes.c_float)]
+                + [(n, _P) for n in ("embed", "final_norm", "head", "inv_freq")]
+                + [(n, _PP) for n in ("ln1", "wq", "wk", "wv", "q_norm", "k_norm", "wo", "ln2",
+                                      "router", "gate_up", "down", "gate", "up", "down_dense")])
+
+
+_lib: ctypes.CDLL | None | bool = False  # False: not tried yet
+
+
+def library() -> ctypes.CDLL | None:
+    """The compiled step, building it on first use; None (with one warning) where it cannot be built."""
+    global _lib
+    if _lib is False:
+        _lib = None if os.environ.get("KILN_NATIVE", "1") == "0" else _load()
+    return _lib
+
+
+def _load() -> ctypes.CDLL | None:
+    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        warnings.warn("kiln: no C compiler (cc/gcc) found; decoding uses the slower torch path", stacklevel=3)
+        return None
+    try:
+        version = subprocess.run([cc, "--version"], check=False, capture_output=True, text=True, timeout=30).stdout
+        key = hashlib.sha256(SOURCE.read_bytes() + " ".join(FLAGS + [version, _cpu_id()]).encode()).hexdigest()[:16]
+        cache = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "kiln" / "native"
+        so = cache / f"decode-{key}.so"
+        if not so.exists():
+            cache.mkdir(parents=True, exist_ok=True)
+            with tempfile.TemporaryDirectory(dir=cache) as tmp:  # concurrent builders never see half a file
+                out = Path(tmp) / so.name
+                subprocess.run([cc, *FLAGS, "-o", str(out), str(SOURCE), "-lm"], check=True,
+                               capture_output=True, text=True, timeout=120)
+                os.replace(out, so)
+        lib = ctypes.CDLL(str(so))
+    except (OSError, subprocess.SubprocessError) as e:
+        detail = getattr(e, "stderr", "") or e
+        warnings.warn(f"kiln: building the native decoding step failed ({detail}); decoding uses the torch path",
+                      stacklevel=3)
+        return None
+    lib.kiln_scratch_floats.restype = ctypes.c_int64
+    lib.kiln_scratch_floats.argtypes = [ctypes.POINTER(_Model), ctypes.c_int]
+    lib.kiln_trunk.restype = None
+    lib.kiln_trunk.argtypes = [ctypes.POINTER(_Model), ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_void_p,
+                               ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p,
+                               ctypes.c_void_p]
+    lib.kiln_head.restype = None
+    lib.kiln_head.argtypes = [ctypes.POINTER(_Model), ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_void_p,
+                              ctypes.c_void_p]
+    return lib
+
+
+def _cpu_id() -> str:
+    try:
+        info = Path("/proc/cpuinfo").read_text()
+        return "\n".join(dict.fromkeys(ln for ln in info.splitlines() if ln.startswith(("model name", "flags"))))
+    except OSError:
+        return platform.processor() or platform.machine()
+
+
+def supported(model) -> bool:
+    """fp32 parameters on the CPU, contiguous, and top-k within the C code's bound."""
+    cfg = model.config
+    return (cfg.num_experts_per_tok <= 16 and cfg.num_attention_heads % cfg.num_key_value_heads == 0
+            and all(p.dtype == torch.float32 and p.device.type == "cpu" and p.is_contiguous()
+                    for p in model.parameters()))
+
+
+class NativeTrunk:
+    """`FastTrunk`'s interface over native.c, for one sequence: (hidden, routes) = trunk(ids,
+    positions, cache, slot), and `head(hidden)` for the logits."""
+
+    def __init__(self, model, lib: ctypes.CDLL, max_len: int):
+        self.model, self.lib, self.max_len = model, lib, max_len
+        self.refresh()
+
+    def refresh(self) -> None:
+        """Point the C struct at the model's current parameter memory."""
+        cfg, layers = self.model.config, self.model.model.layers
+        moe = [isinstance(layer.mlp, MoeBlock) for layer in layers]
+        self._keep: list = []  # the pointer arrays must live as long as the struct
+
+        def ptr(t: torch.Tensor | None):
+            return ctypes.cast(t.data_ptr(), _P) if t is not None else None
+
+        def per_layer(get):
+            arr = (_P * len(layers))(*[ptr(get(layer)) for layer in layers])
+            self._keep.append(arr)
+            return arr
+
+        def dense(layer, name):
+            return None if isinstance(layer.mlp, MoeBlock) else getattr(layer.mlp, name).weight
+
+        def expert(layer, name):
+            return getattr(layer.mlp.experts, name) if isinstance(layer.mlp, MoeBlock) else None
+
+        self._inv_freq = self.model.model.inv_freq(torch.device("cpu")).contiguous()
+        m = self.model.model
+        self.struct = _Model(
+            n_layers=len(layers), dim=cfg.hidden_size, n_heads=cfg.num_attention_heads,
+            n_kv_heads=cfg.num_key_value_heads, head_dim=cfg.head_dim, n_experts=max(cfg.num_experts, 1),
+            top_k=cfg.num_experts_per_tok, moe_inner=cfg.moe_intermediate_size if any(moe) else 0,
+            dense_inner=cfg.intermediate_size if not all(moe) else 0, norm_topk=int(cfg.norm_topk_prob),
+            max_tokens=self.max_len, eps=cfg.rms_norm_eps,
+            embed=ptr(m.embed_tokens.weight), final_norm=ptr(m.norm.weight), head=ptr(self.model.lm_head.weight),
+            inv_freq=ptr(self._inv_freq),
+            ln1=per_layer(lambda la: la.input_layernorm.weight), wq=per_layer(lambda la: la.self_attn.q_proj.weight),
+            wk=per_layer(lambda la: la.self_attn.k_proj.weight), wv=per_layer(lambda la: la.self_attn.v_proj.weight),
+            q_norm=per_layer(lambda la: la.self_attn.q_norm.weight),
+            k_norm=per_layer(lambda la: la.self_attn.k_norm.weight),
+            wo=per_layer(lambda la: la.self_attn.o_proj.weight),
+            ln2=per_layer(lambda la: la.post_attention_layernorm.weight),
+            router=per_layer(lambda la: la.mlp.gate.weight if isinstance(la.mlp, MoeBlock) else None),
+            gate_up=per_layer(lambda la: expert(la, "gate_up_proj")), down=per_layer(lambda la: expert(la, "down_proj")),
+            gate=per_layer(lambda la: dense(la, "gate_proj")), up=per_layer(lambda la: dense(la, "up_proj")),
+            down_dense=per_layer(lambda la: dense(la, "down_proj")))
+        self.n_moe = sum(moe)
+        self._scratch = torch.empty(self.lib.kiln_scratch_floats(ctypes.byref(self.struct), MAX_TOKENS))
+
+    def __call__(self, ids: torch.Tensor, positions: torch.Tensor, cache, slot: int):
+        """ids, positions [1, T] (consecutive positions, T <= MAX_TOKENS) -> (hidden [1, T, D]
+        before the final norm, routes [1, T, n_moe, k] int32 or None)."""
+        t, pos0 = ids.shape[1], int(positions[0, 0])
+        if pos0 + t > cache.max_len or not 0 <= slot < cache.slots:
+            raise ValueError(f"positions {pos0}..{pos0 + t - 1} of slot {slot} are outside the cache "
+                             f"({cache.slots} slots of {cache.max_len} positions)")
+        cfg = self.model.config
+        ids64 = ids.reshape(-1).to(torch.int64).contiguous()
+        hidden = torch.empty(1, t, cfg.hidden_size)
+        routes = torch.empty(1, t, max(self.n_moe, 1), cfg.num_experts_per_tok, dtype=torch.int32)
+        k, v = cache.k[0, slot], cache.v[0, slot]
+        self.lib.kiln_trunk(ctypes.byref(self.struct), ids64.data_ptr(), t, pos0, k.data_ptr(),
+                            v.data_ptr(), cache.k.stride(0), cache.max_len, hidden.data_ptr(), routes.data_ptr(),
+                            self._scratch.data_ptr())
+        return hidden, (routes if self.n_moe else None)
+
+    def head(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Logits [..., V] of hidden states [..., D] (final norm, then the output head)."""
+        cfg = self.model.config
+        flat = hidden.reshape(-1, cfg.hidden_size).contiguous()
+        logits = torch.empty(flat.shape[0], cfg.vocab_size)
+        scratch = torch.empty(flat.numel())
+        self.lib.kiln_head(ctypes.byref(self.struct), flat.data_ptr(), flat.shape[0], cfg.vocab_size,
+                           logits.data_ptr(), scratch.data_ptr())
+        return logits.view(*hidden.shape[:-1], cfg.vocab_size)

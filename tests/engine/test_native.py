@@ -1,0 +1,103 @@
+"""The native decoding step (kiln/engine/native.c) against the torch trunk it replaces for one
+sequence: same hidden states, routes, cache entries and logits; a k-token call bit-identical to k
+one-token calls (what keeps speculative and plain greedy decoding equal); weight swaps seen."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from kiln.engine import Engine, SamplingParams
+from kiln.engine.fast import FastTrunk
+from kiln.engine.kvcache import KVCache
+from kiln.engine.native import NativeTrunk, library
+from kiln.model.moe import MoeForCausalLM
+from tests.threads import one_thread  # noqa: F401 - autouse: one torch thread in this module
+from tests.tiny_model import tiny_config, tiny_model
+
+LIB = library()
+pytestmark = pytest.mark.skipif(LIB is None, reason="no C compiler: the engine falls back to torch")
+
+
+def caches(cfg, n=2, max_len=64):
+    return [KVCache(cfg.num_hidden_layers, 2, max_len, cfg.num_key_value_heads, cfg.head_dim, torch.float32)
+            for _ in range(n)]
+
+
+@pytest.mark.parametrize("dense_layer", [False, True])
+@torch.inference_mode()
+def test_native_steps_match_the_torch_trunk(dense_layer):
+    if dense_layer:  # layer 0 a dense SwiGLU MLP, as `mlp_only_layers` makes it
+        torch.manual_seed(1)
+        model = MoeForCausalLM(tiny_config(mlp_only_layers=[0])).eval()
+    else:
+        model = tiny_model(0)[0]
+    fast, native = FastTrunk(model), NativeTrunk(model, LIB, 64)
+    ref, nat = caches(model.config)
+    prompt = torch.randint(0, 512, (1, 9))
+    pos = torch.arange(9)[None]
+    for c in (ref, nat):  # the same prefill into slot 1 of both caches
+        c.begin(1, pos)
+        fast(prompt, pos, c)
+    for step in range(6):
+        ids, p = torch.randint(0, 512, (1, 1)), torch.tensor([[9 + step]])
+        ref.begin(1, p)
+        want, want_routes = fast(ids, p, ref)
+        got, got_routes = native(ids, p, nat, 1)
+        torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-5)
+        torch.testing.assert_close(native.head(got), model.head(want), atol=5e-5, rtol=1e-5)
+        assert torch.equal(got_routes.long(), want_routes)
+    torch.testing.assert_close(nat.k[:, 1, :, :15], ref.k[:, 1, :, :15], atol=2e-5, rtol=1e-5)
+    torch.testing.assert_close(nat.v[:, 1, :, :15], ref.v[:, 1, :, :15], atol=2e-5, rtol=1e-5)
+    assert nat.k[:, 0].abs().sum() == 0  # the other slot is untouched
+
+
+@torch.inference_mode()
+def test_a_k_token_call_is_bit_identical_to_k_one_token_calls():
+    model = tiny_model(2)[0]
+    native = NativeTrunk(model, LIB, 64)
+    one, many = caches(model.config)
+    ids = torch.randint(0, 512, (1, 5))
+    singles = [native(ids[:, i:i + 1], torch.tensor([[i]]), one, 0) for i in range(5)]
+    hidden, routes = native(ids, torch.arange(5)[None], many, 0)
+    assert torch.equal(hidden, torch.cat([h for h, _ in singles], dim=1))
+    assert torch.equal(routes, torch.cat([r for _, r in singles], dim=1))
+    assert torch.equal(one.k, many.k) and torch.equal(one.v, many.v)
+
+
+@torch.inference_mode()
+def test_the_engine_decodes_one_sequence_natively_and_sees_weight_updates():
+    model = tiny_model(3)[0]
+    engine, plain = Engine(model, max_batch=1), Engine(model, max_batch=1, native=False)
+    assert engine.native is not None and plain.native is None
+    greedy = SamplingParams(temperature=0, max_tokens=12)
+    a, b = engine.generate([[5, 6, 7]], greedy)[0], plain.generate([[5, 6, 7]], greedy)[0]
+    assert a.token_ids == b.token_ids and a.routes == b.routes
+    torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-4, rtol=0)
+
+    new = {k: v * 1.5 if v.ndim > 1 else v for k, v in model.state_dict().items()}
+    engine.update_weights(new, version=1)
+    out = engine.generate([[5, 6, 7]], greedy)[0]
+    other = MoeForCausalLM(model.config).eval()
+    other.load_state_dict(new)
+    want = Engine(other, max_batch=1, native=False).generate([[5, 6, 7]], greedy)[0]
+    assert out.versions == [1] * 12 and out.token_ids == want.token_ids
+
+
+def test_positions_past_the_cache_are_refused():
+    model = tiny_model(0)[0]
+    native = NativeTrunk(model, LIB, 16)
+    (cache,) = caches(model.config, n=1, max_len=16)
+    with pytest.raises(ValueError, match="outside the cache"):
+        native(torch.tensor([[1, 2]]), torch.tensor([[15, 16]]), cache, 0)
+
+
+def test_kiln_native_0_falls_back_to_torch():
+    code = ("from kiln.engine import Engine; from tests.tiny_model import tiny_model; "
+            "assert Engine(tiny_model(0)[0], max_batch=1).native is None; print('ok')")
+    out = subprocess.run([sys.executable, "-c", code], env={**os.environ, "KILN_NATIVE": "0"},
+                         capture_output=True, text=True, timeout=120, check=False)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr
