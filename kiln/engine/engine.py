@@ -91,8 +91,8 @@ class Engine:
         self.default_stop_ids = _stop_ids(tokenizer, cfg)
         self.fast = FastTrunk(model) if self.dtype == torch.float32 else None
         # One sequence on the CPU: native.c's step (no per-op dispatch); `native=False` opts out.
-        lib = library() if native and self.device.type == "cpu" and supported(model) else None
-        self.native = NativeTrunk(model, lib, self.max_len) if lib is not None else None
+        lib = library() if native and self.device.type == "cpu" and supported(model, mtp) else None
+        self.native = NativeTrunk(model, lib, self.max_len, mtp) if lib is not None else None
         self.running: list[Request] = []
         self.waiting: queue.Queue[Request] = queue.Queue()
         self._pending: tuple | None = None

@@ -16,11 +16,12 @@ typedef struct {
     int n_layers, dim, n_heads, n_kv_heads, head_dim, n_experts, top_k, moe_inner, dense_inner;
     int norm_topk, max_tokens;
     float eps;
-    const float *embed, *final_norm, *head, *inv_freq;
+    const float *embed, *head, *inv_freq;
     /* per layer (arrays of n_layers pointers); a layer is MoE when router[l] is not NULL */
     const float **ln1, **wq, **wk, **wv, **q_norm, **k_norm, **wo, **ln2;
     const float **router, **gate_up, **down;  /* MoE: [E, D], [E, 2I, D], [E, D, I] */
     const float **gate, **up, **down_dense;   /* dense SwiGLU: [I, D], [I, D], [D, I] */
+    const float **hnorm, **enorm, **eh_proj;   /* MTP layers only: [D], [D], [D, 2D] */
 } Model;
 
 typedef float v8 __attribute__((vector_size(32)));  /* GCC/Clang vector extension: AVX on x86 */
@@ -74,16 +75,14 @@ static void rope(float *x, int hd, int pos, const float *inv_freq) {
 int64_t kiln_scratch_floats(const Model *m, int T) {
     int64_t d = m->dim, q = (int64_t)m->n_heads * m->head_dim, kv = (int64_t)m->n_kv_heads * m->head_dim;
     int64_t inner = m->moe_inner > m->dense_inner ? m->moe_inner : m->dense_inner;
-    return T * (d + q + 2 * kv + q + 2 * inner + m->n_experts) + 2 * inner + d + m->max_tokens;
+    return T * (d + q + 2 * kv + q + 2 * inner + m->n_experts + 2 * d) + 2 * inner + d + m->max_tokens;
 }
 
-/* Run T tokens (ids at positions pos0.., one sequence) through the trunk.
- * k_cache/v_cache: this sequence's slot of layer 0; the layer stride and the cache length in
- * positions (max_len) locate the rest: [layer][kv_head][max_len][head_dim].
- * hidden: [T, D] in, holding the token embeddings' output (the trunk before the final norm).
- * routes: [T, n_moe_layers, top_k] expert ids. */
-void kiln_trunk(const Model *m, const int64_t *ids, int T, int pos0, float *k_cache, float *v_cache,
-                int64_t layer_stride, int max_len, float *hidden, int32_t *routes, float *scratch) {
+/* Decoder layer l over T tokens of one sequence at positions pos0.., in place on hidden [T, D].
+ * kc/vc: this layer's cache for the sequence, [kv_head][max_len][head_dim]. routes (may be NULL):
+ * the chosen experts of token t at routes[t * route_stride + j]. */
+static void block(const Model *m, int l, float *hidden, int T, int pos0, float *kc, float *vc, int max_len,
+                  int32_t *routes, int route_stride, float *scratch) {
     const int D = m->dim, H = m->n_heads, KV = m->n_kv_heads, hd = m->head_dim, E = m->n_experts, K = m->top_k;
     const int Q = H * hd, KVD = KV * hd, group = H / KV;
     const float inv_sqrt = 1.f / sqrtf((float)hd);
@@ -92,106 +91,132 @@ void kiln_trunk(const Model *m, const int64_t *ids, int T, int pos0, float *k_ca
     int inner = m->moe_inner > m->dense_inner ? m->moe_inner : m->dense_inner;
     float *gu = att + (int64_t)T * Q, *probs = gu + (int64_t)T * 2 * inner;
     float *act = probs + (int64_t)T * E, *y = act + 2 * inner, *scores = y + D;
-    int n_moe = 0;
-    for (int l = 0; l < m->n_layers; l++) n_moe += m->router[l] != NULL;
 
-    for (int t = 0; t < T; t++) memcpy(hidden + (int64_t)t * D, m->embed + ids[t] * D, D * sizeof(float));
-    for (int l = 0, moe_i = 0; l < m->n_layers; l++) {
-        float *kc = k_cache + l * layer_stride, *vc = v_cache + l * layer_stride;
-        /* attention */
-        for (int t = 0; t < T; t++) rms_norm(hidden + (int64_t)t * D, m->ln1[l], h + (int64_t)t * D, D, m->eps);
-        matvec(m->wq[l], h, q, Q, D, T, Q);
-        matvec(m->wk[l], h, k, KVD, D, T, KVD);
-        matvec(m->wv[l], h, v, KVD, D, T, KVD);
-        for (int t = 0; t < T; t++) {
-            int pos = pos0 + t;
-            for (int j = 0; j < H; j++) {
-                float *qj = q + (int64_t)t * Q + j * hd;
-                rms_norm(qj, m->q_norm[l], qj, hd, m->eps);
-                rope(qj, hd, pos, m->inv_freq);
+    /* attention */
+    for (int t = 0; t < T; t++) rms_norm(hidden + (int64_t)t * D, m->ln1[l], h + (int64_t)t * D, D, m->eps);
+    matvec(m->wq[l], h, q, Q, D, T, Q);
+    matvec(m->wk[l], h, k, KVD, D, T, KVD);
+    matvec(m->wv[l], h, v, KVD, D, T, KVD);
+    for (int t = 0; t < T; t++) {
+        int pos = pos0 + t;
+        for (int j = 0; j < H; j++) {
+            float *qj = q + (int64_t)t * Q + j * hd;
+            rms_norm(qj, m->q_norm[l], qj, hd, m->eps);
+            rope(qj, hd, pos, m->inv_freq);
+        }
+        for (int j = 0; j < KV; j++) {
+            float *kj = k + (int64_t)t * KVD + j * hd;
+            rms_norm(kj, m->k_norm[l], kj, hd, m->eps);
+            rope(kj, hd, pos, m->inv_freq);
+            memcpy(kc + ((int64_t)j * max_len + pos) * hd, kj, hd * sizeof(float));
+            memcpy(vc + ((int64_t)j * max_len + pos) * hd, v + (int64_t)t * KVD + j * hd, hd * sizeof(float));
+        }
+    }
+    for (int t = 0; t < T; t++) {  /* causal: token t sees positions 0..pos0+t of its own slot */
+        int n = pos0 + t + 1;
+        for (int j = 0; j < H; j++) {
+            const float *qj = q + (int64_t)t * Q + j * hd;
+            const float *kh = kc + (int64_t)(j / group) * max_len * hd, *vh = vc + (int64_t)(j / group) * max_len * hd;
+            float mx = -INFINITY, sum = 0.f;
+            for (int p = 0; p < n; p++) {
+                scores[p] = dot(qj, kh + (int64_t)p * hd, hd) * inv_sqrt;
+                if (scores[p] > mx) mx = scores[p];
             }
-            for (int j = 0; j < KV; j++) {
-                float *kj = k + (int64_t)t * KVD + j * hd;
-                rms_norm(kj, m->k_norm[l], kj, hd, m->eps);
-                rope(kj, hd, pos, m->inv_freq);
-                memcpy(kc + ((int64_t)j * max_len + pos) * hd, kj, hd * sizeof(float));
-                memcpy(vc + ((int64_t)j * max_len + pos) * hd, v + (int64_t)t * KVD + j * hd, hd * sizeof(float));
+            for (int p = 0; p < n; p++) sum += (scores[p] = expf(scores[p] - mx));
+            float *o = att + (int64_t)t * Q + j * hd;
+            memset(o, 0, hd * sizeof(float));
+            for (int p = 0; p < n; p++) {
+                const float w = scores[p] / sum, *vp = vh + (int64_t)p * hd;
+                for (int i = 0; i < hd; i++) o[i] += w * vp[i];
             }
         }
-        for (int t = 0; t < T; t++) {  /* causal: token t sees positions 0..pos0+t of its own slot */
-            int n = pos0 + t + 1;
-            for (int j = 0; j < H; j++) {
-                const float *qj = q + (int64_t)t * Q + j * hd;
-                const float *kh = kc + (int64_t)(j / group) * max_len * hd, *vh = vc + (int64_t)(j / group) * max_len * hd;
-                float mx = -INFINITY, sum = 0.f;
-                for (int p = 0; p < n; p++) {
-                    scores[p] = dot(qj, kh + (int64_t)p * hd, hd) * inv_sqrt;
-                    if (scores[p] > mx) mx = scores[p];
-                }
-                for (int p = 0; p < n; p++) sum += (scores[p] = expf(scores[p] - mx));
-                float *o = att + (int64_t)t * Q + j * hd;
-                memset(o, 0, hd * sizeof(float));
-                for (int p = 0; p < n; p++) {
-                    const float w = scores[p] / sum, *vp = vh + (int64_t)p * hd;
-                    for (int i = 0; i < hd; i++) o[i] += w * vp[i];
-                }
-            }
-        }
+    }
+    for (int t = 0; t < T; t++) {
+        matvec(m->wo[l], att + (int64_t)t * Q, y, D, Q, 1, D);
+        for (int i = 0; i < D; i++) hidden[(int64_t)t * D + i] += y[i];
+    }
+    /* feed-forward */
+    for (int t = 0; t < T; t++) rms_norm(hidden + (int64_t)t * D, m->ln2[l], h + (int64_t)t * D, D, m->eps);
+    if (m->router[l] == NULL) {
+        int I = m->dense_inner;
         for (int t = 0; t < T; t++) {
-            matvec(m->wo[l], att + (int64_t)t * Q, y, D, Q, 1, D);
+            const float *ht = h + (int64_t)t * D;
+            matvec(m->gate[l], ht, act, I, D, 1, I);
+            matvec(m->up[l], ht, act + I, I, D, 1, I);
+            for (int i = 0; i < I; i++) act[i] = silu(act[i]) * act[I + i];
+            matvec(m->down_dense[l], act, y, D, I, 1, D);
             for (int i = 0; i < D; i++) hidden[(int64_t)t * D + i] += y[i];
         }
-        /* feed-forward */
-        for (int t = 0; t < T; t++) rms_norm(hidden + (int64_t)t * D, m->ln2[l], h + (int64_t)t * D, D, m->eps);
-        if (m->router[l] == NULL) {
-            int I = m->dense_inner;
-            for (int t = 0; t < T; t++) {
-                const float *ht = h + (int64_t)t * D;
-                matvec(m->gate[l], ht, act, I, D, 1, I);
-                matvec(m->up[l], ht, act + I, I, D, 1, I);
-                for (int i = 0; i < I; i++) act[i] = silu(act[i]) * act[I + i];
-                matvec(m->down_dense[l], act, y, D, I, 1, D);
-                for (int i = 0; i < D; i++) hidden[(int64_t)t * D + i] += y[i];
+        return;
+    }
+    int I = m->moe_inner;
+    matvec(m->router[l], h, probs, E, D, T, E);
+    for (int t = 0; t < T; t++) {
+        float *p = probs + (int64_t)t * E, mx = -INFINITY, sum = 0.f, wsum = 0.f;
+        for (int e = 0; e < E; e++) if (p[e] > mx) mx = p[e];
+        for (int e = 0; e < E; e++) sum += (p[e] = expf(p[e] - mx));
+        for (int e = 0; e < E; e++) p[e] /= sum;
+        int chosen[16];
+        float weight[16];
+        for (int j = 0; j < K; j++) {  /* top-k, ties to the lower id */
+            int best = -1;
+            for (int e = 0; e < E; e++) {
+                int used = 0;
+                for (int u = 0; u < j; u++) used |= chosen[u] == e;
+                if (!used && (best < 0 || p[e] > p[best])) best = e;
             }
-            continue;
+            chosen[j] = best;
+            weight[j] = p[best];
+            wsum += p[best];
         }
-        int I = m->moe_inner;
-        matvec(m->router[l], h, probs, E, D, T, E);
-        for (int t = 0; t < T; t++) {
-            float *p = probs + (int64_t)t * E, mx = -INFINITY, sum = 0.f, wsum = 0.f;
-            for (int e = 0; e < E; e++) if (p[e] > mx) mx = p[e];
-            for (int e = 0; e < E; e++) sum += (p[e] = expf(p[e] - mx));
-            for (int e = 0; e < E; e++) p[e] /= sum;
-            int chosen[16];
-            float weight[16];
-            for (int j = 0; j < K; j++) {  /* top-k, ties to the lower id */
-                int best = -1;
-                for (int e = 0; e < E; e++) {
-                    int used = 0;
-                    for (int u = 0; u < j; u++) used |= chosen[u] == e;
-                    if (!used && (best < 0 || p[e] > p[best])) best = e;
-                }
-                chosen[j] = best;
-                weight[j] = p[best];
-                wsum += p[best];
-            }
-            float *ht = h + (int64_t)t * D, *out = hidden + (int64_t)t * D;
-            for (int j = 0; j < K; j++) {
-                int e = chosen[j];
-                float w = m->norm_topk ? weight[j] / wsum : weight[j];
-                routes[((int64_t)t * n_moe + moe_i) * K + j] = e;
-                matvec(m->gate_up[l] + (int64_t)e * 2 * I * D, ht, gu, 2 * I, D, 1, 2 * I);
-                for (int i = 0; i < I; i++) act[i] = silu(gu[i]) * gu[I + i];
-                matvec(m->down[l] + (int64_t)e * D * I, act, y, D, I, 1, D);
-                for (int i = 0; i < D; i++) out[i] += w * y[i];
-            }
+        float *ht = h + (int64_t)t * D, *out = hidden + (int64_t)t * D;
+        for (int j = 0; j < K; j++) {
+            int e = chosen[j];
+            float w = m->norm_topk ? weight[j] / wsum : weight[j];
+            if (routes) routes[(int64_t)t * route_stride + j] = e;
+            matvec(m->gate_up[l] + (int64_t)e * 2 * I * D, ht, gu, 2 * I, D, 1, 2 * I);
+            for (int i = 0; i < I; i++) act[i] = silu(gu[i]) * gu[I + i];
+            matvec(m->down[l] + (int64_t)e * D * I, act, y, D, I, 1, D);
+            for (int i = 0; i < D; i++) out[i] += w * y[i];
         }
-        moe_i++;
     }
 }
 
-/* logits [T, V] = head(final_norm(hidden [T, D])). */
-void kiln_head(const Model *m, const float *hidden, int T, int vocab, float *logits, float *scratch) {
-    for (int t = 0; t < T; t++) rms_norm(hidden + (int64_t)t * m->dim, m->final_norm, scratch + (int64_t)t * m->dim, m->dim, m->eps);
+/* Run T tokens (ids at positions pos0.., one sequence) through the trunk.
+ * k_cache/v_cache: this sequence's slot of layer 0; the layer stride and the cache length in
+ * positions (max_len) locate the rest: [layer][kv_head][max_len][head_dim].
+ * hidden: [T, D] out, the trunk's output before the final norm.
+ * routes: [T, n_moe_layers, top_k] expert ids. */
+void kiln_trunk(const Model *m, const int64_t *ids, int T, int pos0, float *k_cache, float *v_cache,
+                int64_t layer_stride, int max_len, float *hidden, int32_t *routes, float *scratch) {
+    const int D = m->dim, K = m->top_k;
+    int n_moe = 0;
+    for (int l = 0; l < m->n_layers; l++) n_moe += m->router[l] != NULL;
+    for (int t = 0; t < T; t++) memcpy(hidden + (int64_t)t * D, m->embed + ids[t] * D, D * sizeof(float));
+    for (int l = 0, moe_i = 0; l < m->n_layers; l++) {
+        int moe = m->router[l] != NULL;
+        block(m, l, hidden, T, pos0, k_cache + l * layer_stride, v_cache + l * layer_stride, max_len,
+              moe ? routes + moe_i * K : NULL, n_moe * K, scratch);
+        moe_i += moe;
+    }
+}
+
+/* MTP layer l (kiln/model/mtp.py): out [T, D] = block_l(eh_proj(cat(hnorm(h_in), enorm(embed(ids))))),
+ * with the layer's own cache (as kiln_trunk's arguments). */
+void kiln_mtp_layer(const Model *m, int l, const float *h_in, const int64_t *ids, int T, int pos0, float *k_cache,
+                    float *v_cache, int64_t layer_stride, int max_len, float *out, float *scratch) {
+    const int D = m->dim;
+    float *cat = scratch + kiln_scratch_floats(m, T) - (int64_t)T * 2 * D;  /* the tail the block leaves alone */
+    for (int t = 0; t < T; t++) {
+        rms_norm(h_in + (int64_t)t * D, m->hnorm[l], cat + (int64_t)t * 2 * D, D, m->eps);
+        rms_norm(m->embed + ids[t] * D, m->enorm[l], cat + (int64_t)t * 2 * D + D, D, m->eps);
+    }
+    matvec(m->eh_proj[l], cat, out, D, 2 * D, T, D);
+    block(m, l, out, T, pos0, k_cache + l * layer_stride, v_cache + l * layer_stride, max_len, NULL, 0, scratch);
+}
+
+/* logits [T, V] = head(norm(hidden [T, D])), norm the final norm's weight (or an MTP layer's). */
+void kiln_head(const Model *m, const float *norm, const float *hidden, int T, int vocab, float *logits, float *scratch) {
+    for (int t = 0; t < T; t++) rms_norm(hidden + (int64_t)t * m->dim, norm, scratch + (int64_t)t * m->dim, m->dim, m->eps);
     matvec(m->head, scratch, logits, vocab, m->dim, T, vocab);
 }

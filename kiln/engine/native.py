@@ -37,9 +37,9 @@ class _Model(ctypes.Structure):
     _fields_ = ([(n, ctypes.c_int) for n in ("n_layers", "dim", "n_heads", "n_kv_heads", "head_dim", "n_experts",
                                              "top_k", "moe_inner", "dense_inner", "norm_topk", "max_tokens")]
                 + [("eps", ctypes.c_float)]
-                + [(n, _P) for n in ("embed", "final_norm", "head", "inv_freq")]
-                + [(n, _PP) for n in ("ln1", "wq", "wk", "wv", "q_norm", "k_norm", "wo", "ln2",
-                                      "router", "gate_up", "down", "gate", "up", "down_dense")])
+                + [(n, _P) for n in ("embed", "head", "inv_freq")]
+                + [(n, _PP) for n in ("ln1", "wq", "wk", "wv", "q_norm", "k_norm", "wo", "ln2", "router", "gate_up",
+                                      "down", "gate", "up", "down_dense", "hnorm", "enorm", "eh_proj")])
 
 
 _lib: ctypes.CDLL | None | bool = False  # False: not tried yet
@@ -83,8 +83,13 @@ def _load() -> ctypes.CDLL | None:
                                ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p,
                                ctypes.c_void_p]
     lib.kiln_head.restype = None
-    lib.kiln_head.argtypes = [ctypes.POINTER(_Model), ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_void_p,
-                              ctypes.c_void_p]
+    lib.kiln_mtp_layer.restype = None
+    lib.kiln_mtp_layer.argtypes = [ctypes.POINTER(_Model), ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int,
+                                   ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int,
+                                   ctypes.c_void_p, ctypes.c_void_p]
+    lib.kiln_head.restype = None
+    lib.kiln_head.argtypes = [ctypes.POINTER(_Model), ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_int,
+                              ctypes.c_void_p, ctypes.c_void_p]
     return lib
 
 
@@ -96,72 +101,88 @@ def _cpu_id() -> str:
         return platform.processor() or platform.machine()
 
 
-def supported(model) -> bool:
+def supported(model, mtp=None) -> bool:
     """fp32 parameters on the CPU, contiguous, and top-k within the C code's bound."""
     cfg = model.config
+    params = list(model.parameters()) + (list(mtp.parameters()) if mtp is not None else [])
     return (cfg.num_experts_per_tok <= 16 and cfg.num_attention_heads % cfg.num_key_value_heads == 0
-            and all(p.dtype == torch.float32 and p.device.type == "cpu" and p.is_contiguous()
-                    for p in model.parameters()))
+            and all(p.dtype == torch.float32 and p.device.type == "cpu" and p.is_contiguous() for p in params))
+
+
+def _ptr(t: torch.Tensor | None):
+    return ctypes.cast(t.data_ptr(), _P) if t is not None else None
+
+
+def _struct(model, layers, max_len: int, keep: list, mtp_layers=None) -> _Model:
+    """The C view of decoder `layers` (the trunk's, or the MTP blocks with `mtp_layers` giving
+    their input norms and projection) over the model's embedding and output head."""
+    cfg = model.config
+    moe = [isinstance(layer.mlp, MoeBlock) for layer in layers]
+
+    def per_layer(get, over=layers):
+        arr = (_P * len(over))(*[_ptr(get(layer)) for layer in over])
+        keep.append(arr)
+        return arr
+
+    def dense(layer, name):
+        return None if isinstance(layer.mlp, MoeBlock) else getattr(layer.mlp, name).weight
+
+    def expert(layer, name):
+        return getattr(layer.mlp.experts, name) if isinstance(layer.mlp, MoeBlock) else None
+
+    inv_freq = model.model.inv_freq(torch.device("cpu")).contiguous()
+    keep.append(inv_freq)
+    mtp = mtp_layers or [None] * len(layers)
+    return _Model(
+        n_layers=len(layers), dim=cfg.hidden_size, n_heads=cfg.num_attention_heads,
+        n_kv_heads=cfg.num_key_value_heads, head_dim=cfg.head_dim, n_experts=max(cfg.num_experts, 1),
+        top_k=cfg.num_experts_per_tok, moe_inner=cfg.moe_intermediate_size if any(moe) else 0,
+        dense_inner=cfg.intermediate_size if not all(moe) else 0, norm_topk=int(cfg.norm_topk_prob),
+        max_tokens=max_len, eps=cfg.rms_norm_eps,
+        embed=_ptr(model.model.embed_tokens.weight), head=_ptr(model.lm_head.weight), inv_freq=_ptr(inv_freq),
+        ln1=per_layer(lambda la: la.input_layernorm.weight), wq=per_layer(lambda la: la.self_attn.q_proj.weight),
+        wk=per_layer(lambda la: la.self_attn.k_proj.weight), wv=per_layer(lambda la: la.self_attn.v_proj.weight),
+        q_norm=per_layer(lambda la: la.self_attn.q_norm.weight), k_norm=per_layer(lambda la: la.self_attn.k_norm.weight),
+        wo=per_layer(lambda la: la.self_attn.o_proj.weight),
+        ln2=per_layer(lambda la: la.post_attention_layernorm.weight),
+        router=per_layer(lambda la: la.mlp.gate.weight if isinstance(la.mlp, MoeBlock) else None),
+        gate_up=per_layer(lambda la: expert(la, "gate_up_proj")), down=per_layer(lambda la: expert(la, "down_proj")),
+        gate=per_layer(lambda la: dense(la, "gate_proj")), up=per_layer(lambda la: dense(la, "up_proj")),
+        down_dense=per_layer(lambda la: dense(la, "down_proj")),
+        hnorm=per_layer(lambda ml: ml and ml.hnorm.weight, mtp), enorm=per_layer(lambda ml: ml and ml.enorm.weight, mtp),
+        eh_proj=per_layer(lambda ml: ml and ml.eh_proj.weight, mtp))
 
 
 class NativeTrunk:
     """`FastTrunk`'s interface over native.c, for one sequence: (hidden, routes) = trunk(ids,
-    positions, cache, slot), and `head(hidden)` for the logits."""
+    positions, cache, slot); `head(hidden)` for the logits; with an MTP module, `mtp_layer` runs
+    one of its layers (the drafter)."""
 
-    def __init__(self, model, lib: ctypes.CDLL, max_len: int):
-        self.model, self.lib, self.max_len = model, lib, max_len
+    def __init__(self, model, lib: ctypes.CDLL, max_len: int, mtp=None):
+        self.model, self.mtp, self.lib, self.max_len = model, mtp, lib, max_len
         self.refresh()
 
     def refresh(self) -> None:
-        """Point the C struct at the model's current parameter memory."""
-        cfg, layers = self.model.config, self.model.model.layers
-        moe = [isinstance(layer.mlp, MoeBlock) for layer in layers]
-        self._keep: list = []  # the pointer arrays must live as long as the struct
-
-        def ptr(t: torch.Tensor | None):
-            return ctypes.cast(t.data_ptr(), _P) if t is not None else None
-
-        def per_layer(get):
-            arr = (_P * len(layers))(*[ptr(get(layer)) for layer in layers])
-            self._keep.append(arr)
-            return arr
-
-        def dense(layer, name):
-            return None if isinstance(layer.mlp, MoeBlock) else getattr(layer.mlp, name).weight
-
-        def expert(layer, name):
-            return getattr(layer.mlp.experts, name) if isinstance(layer.mlp, MoeBlock) else None
-
-        self._inv_freq = self.model.model.inv_freq(torch.device("cpu")).contiguous()
-        m = self.model.model
-        self.struct = _Model(
-            n_layers=len(layers), dim=cfg.hidden_size, n_heads=cfg.num_attention_heads,
-            n_kv_heads=cfg.num_key_value_heads, head_dim=cfg.head_dim, n_experts=max(cfg.num_experts, 1),
-            top_k=cfg.num_experts_per_tok, moe_inner=cfg.moe_intermediate_size if any(moe) else 0,
-            dense_inner=cfg.intermediate_size if not all(moe) else 0, norm_topk=int(cfg.norm_topk_prob),
-            max_tokens=self.max_len, eps=cfg.rms_norm_eps,
-            embed=ptr(m.embed_tokens.weight), final_norm=ptr(m.norm.weight), head=ptr(self.model.lm_head.weight),
-            inv_freq=ptr(self._inv_freq),
-            ln1=per_layer(lambda la: la.input_layernorm.weight), wq=per_layer(lambda la: la.self_attn.q_proj.weight),
-            wk=per_layer(lambda la: la.self_attn.k_proj.weight), wv=per_layer(lambda la: la.self_attn.v_proj.weight),
-            q_norm=per_layer(lambda la: la.self_attn.q_norm.weight),
-            k_norm=per_layer(lambda la: la.self_attn.k_norm.weight),
-            wo=per_layer(lambda la: la.self_attn.o_proj.weight),
-            ln2=per_layer(lambda la: la.post_attention_layernorm.weight),
-            router=per_layer(lambda la: la.mlp.gate.weight if isinstance(la.mlp, MoeBlock) else None),
-            gate_up=per_layer(lambda la: expert(la, "gate_up_proj")), down=per_layer(lambda la: expert(la, "down_proj")),
-            gate=per_layer(lambda la: dense(la, "gate_proj")), up=per_layer(lambda la: dense(la, "up_proj")),
-            down_dense=per_layer(lambda la: dense(la, "down_proj")))
-        self.n_moe = sum(moe)
+        """Point the C structs at the model's (and MTP's) current parameter memory."""
+        self._keep: list = []  # what the structs point into must live as long as they do
+        layers = self.model.model.layers
+        self.struct = _struct(self.model, layers, self.max_len, self._keep)
+        self.n_moe = sum(isinstance(layer.mlp, MoeBlock) for layer in layers)
+        self.mtp_struct = None if self.mtp is None else _struct(
+            self.model, [ml.block for ml in self.mtp.layers], self.max_len, self._keep, list(self.mtp.layers))
         self._scratch = torch.empty(self.lib.kiln_scratch_floats(ctypes.byref(self.struct), MAX_TOKENS))
+
+    @staticmethod
+    def _check(t: int, pos0: int, cache, slot: int) -> None:
+        if t > MAX_TOKENS or pos0 + t > cache.max_len or not 0 <= slot < cache.slots:
+            raise ValueError(f"positions {pos0}..{pos0 + t - 1} of slot {slot} are outside the cache "
+                             f"({cache.slots} slots of {cache.max_len} positions) or over {MAX_TOKENS} tokens")
 
     def __call__(self, ids: torch.Tensor, positions: torch.Tensor, cache, slot: int):
         """ids, positions [1, T] (consecutive positions, T <= MAX_TOKENS) -> (hidden [1, T, D]
         before the final norm, routes [1, T, n_moe, k] int32 or None)."""
         t, pos0 = ids.shape[1], int(positions[0, 0])
-        if pos0 + t > cache.max_len or not 0 <= slot < cache.slots:
-            raise ValueError(f"positions {pos0}..{pos0 + t - 1} of slot {slot} are outside the cache "
-                             f"({cache.slots} slots of {cache.max_len} positions)")
+        self._check(t, pos0, cache, slot)
         cfg = self.model.config
         ids64 = ids.reshape(-1).to(torch.int64).contiguous()
         hidden = torch.empty(1, t, cfg.hidden_size)
@@ -172,12 +193,27 @@ class NativeTrunk:
                             self._scratch.data_ptr())
         return hidden, (routes if self.n_moe else None)
 
-    def head(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Logits [..., V] of hidden states [..., D] (final norm, then the output head)."""
+    def mtp_layer(self, k: int, hidden: torch.Tensor, ids: torch.Tensor, pos0: int, cache, slot: int) -> torch.Tensor:
+        """MTP layer k (0-based) over hidden [1, T, D] and the next tokens' ids [1, T] at positions
+        pos0.. of `slot` in the MTP cache -> its output [1, T, D]."""
+        t = ids.shape[1]
+        self._check(t, pos0, cache, slot)
+        h_in = hidden.contiguous()
+        ids64 = ids.reshape(-1).to(torch.int64).contiguous()
+        out = torch.empty_like(h_in)
+        self.lib.kiln_mtp_layer(ctypes.byref(self.mtp_struct), k, h_in.data_ptr(), ids64.data_ptr(), t, pos0,
+                                cache.k[0, slot].data_ptr(), cache.v[0, slot].data_ptr(), cache.k.stride(0),
+                                cache.max_len, out.data_ptr(), self._scratch.data_ptr())
+        return out
+
+    def head(self, hidden: torch.Tensor, norm: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits [..., V] of hidden states [..., D]: `norm` (default the final norm's weight), then
+        the output head."""
         cfg = self.model.config
         flat = hidden.reshape(-1, cfg.hidden_size).contiguous()
         logits = torch.empty(flat.shape[0], cfg.vocab_size)
         scratch = torch.empty(flat.numel())
-        self.lib.kiln_head(ctypes.byref(self.struct), flat.data_ptr(), flat.shape[0], cfg.vocab_size,
-                           logits.data_ptr(), scratch.data_ptr())
+        weight = self.model.model.norm.weight if norm is None else norm
+        self.lib.kiln_head(ctypes.byref(self.struct), weight.data_ptr(), flat.data_ptr(), flat.shape[0],
+                           cfg.vocab_size, logits.data_ptr(), scratch.data_ptr())
         return logits.view(*hidden.shape[:-1], cfg.vocab_size)

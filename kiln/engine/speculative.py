@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from kiln.engine.native import MAX_TOKENS
 from kiln.engine.sampling import policy_logprobs, sample_row, sampling_probs
 from kiln.model.moe import rope_tables
 
@@ -104,18 +105,25 @@ def draft(engine, start: int, reqs, hidden: torch.Tensor, start_positions: list[
         start_positions = [s - back for s in start_positions]
         n_valid = [n + back for n in n_valid]
     b, t, _ = hidden.shape
+    native = engine.native if b == 1 and t <= MAX_TOKENS and engine.native is not None else None
     pos = torch.tensor(start_positions, device=dev)[:, None] + torch.arange(t, device=dev)
-    engine.mtp_cache.begin(start, pos)
-    rope = rope_tables(model.model.inv_freq(dev), pos, hidden.dtype)
+    if native is None:
+        engine.mtp_cache.begin(start, pos)
+        rope = rope_tables(model.model.inv_freq(dev), pos, hidden.dtype)
     last = torch.tensor(n_valid, device=dev) - 1
     seqs = [r.prompt_ids + r.tokens for r in reqs]
     for r in reqs:
         r.drafts, r.draft_probs = [], []
     h = hidden
     for k, layer in enumerate(mtp.layers, start=1):
-        ids = [[_token_at(seq, r.drafts, s + i + k) for i in range(t)] for seq, r, s in zip(seqs, reqs, start_positions)]
-        h = layer(h, mtp.embed(model, torch.tensor(ids, device=dev)), rope, cache=engine.mtp_cache)
-        logits = mtp.logits(model, k - 1, h[torch.arange(b, device=dev), last]).float().cpu()
+        ids = torch.tensor([[_token_at(seq, r.drafts, s + i + k) for i in range(t)]
+                            for seq, r, s in zip(seqs, reqs, start_positions)], device=dev)
+        if native is not None:  # one sequence: native.c's MTP layer and head
+            h = native.mtp_layer(k - 1, h, ids, start_positions[0], engine.mtp_cache, start)
+            logits = native.head(h[:, n_valid[0] - 1], norm=layer.norm.weight)
+        else:
+            h = layer(h, mtp.embed(model, ids), rope, cache=engine.mtp_cache)
+            logits = mtp.logits(model, k - 1, h[torch.arange(b, device=dev), last]).float().cpu()
         for i, r in enumerate(reqs):
             if r.params.greedy:
                 r.drafts.append(int(logits[i].argmax()))
