@@ -30,6 +30,11 @@ from kiln.engine.sampling import (
 )
 from kiln.engine.speculative import SpecStats, draft, spec_step
 
+# Up to this many sequences decode one after another through native.c; more share torch's batched
+# matmuls. On 2 cores with the tiny preset, 8 sequences one after another decode 1.7x faster than
+# torch batching them (weights read for one stay cached for the next).
+NATIVE_MAX_BATCH = 8
+
 
 @dataclass
 class Completion:
@@ -90,7 +95,7 @@ class Engine:
             mtp.depth, max_batch, self.max_len, cfg.num_key_value_heads, cfg.head_dim, self.dtype, self.device)
         self.default_stop_ids = _stop_ids(tokenizer, cfg)
         self.fast = FastTrunk(model) if self.dtype == torch.float32 else None
-        # One sequence on the CPU: native.c's step (no per-op dispatch); `native=False` opts out.
+        # Few sequences on the CPU: native.c's step (no per-op dispatch); `native=False` opts out.
         lib = library() if native and self.device.type == "cpu" and supported(model, mtp) else None
         self.native = NativeTrunk(model, lib, self.max_len, mtp) if lib is not None else None
         self.running: list[Request] = []
@@ -203,8 +208,13 @@ class Engine:
 
     def forward(self, start: int, ids: torch.Tensor, positions: torch.Tensor, reqs: list[Request]):
         """The main trunk over slots start.. with the cache -> hidden states [B, T, D]."""
-        if self.native is not None and ids.shape[0] == 1 and ids.shape[1] <= MAX_TOKENS:
-            hidden, routes = self.native(ids, positions, self.cache, start)
+        if self.native is not None and ids.shape[0] <= NATIVE_MAX_BATCH and ids.shape[1] <= MAX_TOKENS:
+            if len(ids) == 1:
+                hidden, routes = self.native(ids, positions, self.cache, start)
+            else:
+                rows = [self.native(ids[i:i + 1], positions[i:i + 1], self.cache, start + i) for i in range(len(ids))]
+                hidden = torch.cat([h for h, _ in rows])
+                routes = None if rows[0][1] is None else torch.cat([r for _, r in rows])
         elif self.fast is not None:
             self.cache.begin(start, positions)
             hidden, routes = self.fast(ids, positions, self.cache)

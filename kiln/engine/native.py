@@ -6,9 +6,10 @@ with ctypes; it reads the model's parameters in place, so a weight update (`Engi
 copies into them) needs no rebuild. Where no compiler is found, or `KILN_NATIVE=0`, the engine
 decodes with `FastTrunk` as before.
 
-The engine uses it for forwards of one sequence and at most `MAX_TOKENS` tokens (decoding and
-speculative verification, so both take the same per-token arithmetic); prefills and batches go
-through torch, where matrix-matrix products win.
+The engine uses it for forwards of at most `MAX_TOKENS` tokens per sequence (decoding and
+speculative verification, so both take the same per-token arithmetic) and a few sequences, one
+after another (engine.NATIVE_MAX_BATCH); prefills and larger batches go through torch, where
+matrix-matrix products win.
 """
 from __future__ import annotations
 
