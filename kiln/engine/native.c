@@ -9,6 +9,8 @@
  * Built by kiln/engine/native.py with the system C compiler; no Python or torch headers.
  */
 #include <math.h>
+#include <pthread.h>
+#include <stdatomic.h>
 #include <stdint.h>
 #include <string.h>
 
@@ -44,12 +46,103 @@ static inline float dot(const float *a, const float *b, int n) {
     return r;
 }
 
-/* y[t] = W x[t] for t < T, W [rows, cols] row-major: each weight row is read once per call. */
-static void matvec(const float *w, const float *x, float *y, int rows, int cols, int T, int y_stride) {
-    for (int r = 0; r < rows; r++) {
+/* y[t] = W x[t] for t < T over rows r0..r1 of W [rows, cols] (row-major): each weight row is read
+ * once per call. */
+static void matvec_rows(const float *w, const float *x, float *y, int r0, int r1, int cols, int T, int y_stride) {
+    for (int r = r0; r < r1; r++) {
         const float *wr = w + (int64_t)r * cols;
         for (int t = 0; t < T; t++) y[(int64_t)t * y_stride + r] = dot(wr, x + (int64_t)t * cols, cols);
     }
+}
+
+/* One helper thread takes the second half of the rows of large products: decoding is bound by
+ * reading weights from memory, which one core does not saturate. It spins briefly between jobs
+ * (the products of one token follow each other closely), then sleeps. Each row's arithmetic is
+ * the same whichever thread does it, so results do not depend on the split. One caller at a time
+ * uses the helper; a concurrent caller (another engine's thread) computes alone. */
+#define SPLIT_MIN_FLOATS (64 * 1024)
+#define SPIN_ROUNDS 20000
+
+typedef struct { const float *w, *x; float *y; int r0, r1, cols, T, y_stride; } Rows;
+
+static struct {
+    pthread_mutex_t use, mu;
+    pthread_cond_t wake;
+    atomic_int posted, done, sleeping;
+    int started;
+    Rows job;
+} pool = {PTHREAD_MUTEX_INITIALIZER, PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER};
+
+static inline void relax(void) {
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_ia32_pause();
+#endif
+}
+
+static void *helper(void *arg) {
+    (void)arg;
+    for (int seen = 0;;) {
+        for (int spins = 0; atomic_load(&pool.posted) == seen; spins++) {
+            if (spins < SPIN_ROUNDS) {
+                relax();
+                continue;
+            }
+            pthread_mutex_lock(&pool.mu);
+            atomic_store(&pool.sleeping, 1);
+            while (atomic_load(&pool.posted) == seen) pthread_cond_wait(&pool.wake, &pool.mu);
+            atomic_store(&pool.sleeping, 0);
+            pthread_mutex_unlock(&pool.mu);
+        }
+        seen = atomic_load(&pool.posted);
+        Rows j = pool.job;
+        matvec_rows(j.w, j.x, j.y, j.r0, j.r1, j.cols, j.T, j.y_stride);
+        atomic_store(&pool.done, seen);
+    }
+    return NULL;
+}
+
+/* A forked child has no helper thread (and maybe a lock some other thread held): start afresh. */
+static void forget_helper(void) {
+    pthread_mutex_t fresh_mutex = PTHREAD_MUTEX_INITIALIZER;
+    pthread_cond_t fresh_cond = PTHREAD_COND_INITIALIZER;
+    pool.use = pool.mu = fresh_mutex;
+    pool.wake = fresh_cond;
+    atomic_store(&pool.posted, 0);
+    atomic_store(&pool.done, 0);
+    atomic_store(&pool.sleeping, 0);
+    pool.started = 0;
+}
+
+static void matvec(const float *w, const float *x, float *y, int rows, int cols, int T, int y_stride) {
+    if ((int64_t)rows * cols < SPLIT_MIN_FLOATS || pthread_mutex_trylock(&pool.use) != 0) {
+        matvec_rows(w, x, y, 0, rows, cols, T, y_stride);
+        return;
+    }
+    if (!pool.started) {
+        pthread_t th;
+        pool.started = pthread_create(&th, NULL, helper, NULL) == 0 ? 1 : -1;
+        if (pool.started == 1) {
+            pthread_detach(th);
+            static int registered;
+            if (!registered) registered = pthread_atfork(NULL, NULL, forget_helper) == 0;
+        }
+    }
+    if (pool.started != 1) {
+        pthread_mutex_unlock(&pool.use);
+        matvec_rows(w, x, y, 0, rows, cols, T, y_stride);
+        return;
+    }
+    int mid = rows / 2, seq = atomic_load(&pool.posted) + 1;
+    pool.job = (Rows){w, x, y, mid, rows, cols, T, y_stride};
+    atomic_store(&pool.posted, seq);
+    if (atomic_load(&pool.sleeping)) {
+        pthread_mutex_lock(&pool.mu);
+        pthread_cond_signal(&pool.wake);
+        pthread_mutex_unlock(&pool.mu);
+    }
+    matvec_rows(w, x, y, 0, mid, cols, T, y_stride);
+    while (atomic_load(&pool.done) != seq) relax();
+    pthread_mutex_unlock(&pool.use);
 }
 
 static void rms_norm(const float *x, const float *w, float *out, int n, float eps) {

@@ -29,7 +29,7 @@ from kiln.model.moe import MoeBlock
 
 MAX_TOKENS = 16
 SOURCE = Path(__file__).with_name("native.c")
-FLAGS = ["-O3", "-march=native", "-fPIC", "-shared"]
+FLAGS = ["-O3", "-march=native", "-fPIC", "-shared", "-pthread"]
 _P = ctypes.POINTER(ctypes.c_float)
 _PP = ctypes.POINTER(_P)
 

@@ -126,3 +126,18 @@ def test_native_mtp_layers_and_heads_match_torch():
         torch.testing.assert_close(native.head(got, norm=layer.norm.weight), mtp.logits(model, k, want),
                                    atol=5e-5, rtol=1e-5)
     torch.testing.assert_close(nat.k[:, 0, :, 3:9], ref.k[:, 0, :, 3:9], atol=2e-5, rtol=1e-5)
+
+
+def test_a_forked_child_decodes_natively_after_its_parent_did():
+    # The parent's helper thread does not survive fork(); the child must start its own, not wait
+    # forever on a thread it does not have. (One torch thread: torch's own OpenMP pool is not
+    # fork-safe, whatever kiln does.)
+    code = ("import os, torch; from kiln.engine import Engine, SamplingParams; from kiln.model.moe import MoeForCausalLM;"
+            "from kiln.model.config import ModelConfig; torch.set_num_threads(1); torch.manual_seed(0);"
+            "m = MoeForCausalLM(ModelConfig.from_depth(4, vocab_size=8192)).eval();"
+            "g = SamplingParams(temperature=0, max_tokens=8, stop_token_ids=());"
+            "a = Engine(m, max_batch=1, max_len=32).generate([[1, 2, 3]], g)[0].token_ids; pid = os.fork();"
+            "b = Engine(m, max_batch=1, max_len=32).generate([[1, 2, 3]], g)[0].token_ids;"
+            "os._exit(0 if a == b else 3) if pid == 0 else print(os.waitpid(pid, 0)[1] == 0 and a == b)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False)
+    assert out.returncode == 0 and out.stdout.strip() == "True", out.stderr
