@@ -58,7 +58,8 @@ static void matvec_rows(const float *w, const float *x, float *y, int r0, int r1
 /* One helper thread takes the second half of the rows of large products: decoding is bound by
  * reading weights from memory, which one core does not saturate. It spins briefly between jobs
  * (the products of one token follow each other closely), then sleeps. Each row's arithmetic is
- * the same whichever thread does it, so results do not depend on the split. One caller at a time
+ * the same whichever thread does it, so results do not depend on the split; rows the helper has
+ * not claimed by the time the caller finishes its half, the caller does itself. One caller at a time
  * uses the helper; a concurrent caller (another engine's thread) computes alone. */
 #define SPLIT_MIN_FLOATS (64 * 1024)
 #define SPIN_ROUNDS 20000
@@ -68,7 +69,7 @@ typedef struct { const float *w, *x; float *y; int r0, r1, cols, T, y_stride; } 
 static struct {
     pthread_mutex_t use, mu;
     pthread_cond_t wake;
-    atomic_int posted, done, sleeping;
+    atomic_int posted, claimed, done, sleeping;
     int started;
     Rows job;
 } pool = {PTHREAD_MUTEX_INITIALIZER, PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER};
@@ -94,6 +95,8 @@ static void *helper(void *arg) {
             pthread_mutex_unlock(&pool.mu);
         }
         seen = atomic_load(&pool.posted);
+        int expected = seen - 1;
+        if (!atomic_compare_exchange_strong(&pool.claimed, &expected, seen)) continue;  /* the caller took it */
         Rows j = pool.job;
         matvec_rows(j.w, j.x, j.y, j.r0, j.r1, j.cols, j.T, j.y_stride);
         atomic_store(&pool.done, seen);
@@ -108,6 +111,7 @@ static void forget_helper(void) {
     pool.use = pool.mu = fresh_mutex;
     pool.wake = fresh_cond;
     atomic_store(&pool.posted, 0);
+    atomic_store(&pool.claimed, 0);
     atomic_store(&pool.done, 0);
     atomic_store(&pool.sleeping, 0);
     pool.started = 0;
@@ -141,7 +145,11 @@ static void matvec(const float *w, const float *x, float *y, int rows, int cols,
         pthread_mutex_unlock(&pool.mu);
     }
     matvec_rows(w, x, y, 0, mid, cols, T, y_stride);
-    while (atomic_load(&pool.done) != seq) relax();
+    int expected = seq - 1;  /* a helper not yet awake (waking costs more than the rows): do them here */
+    if (atomic_compare_exchange_strong(&pool.claimed, &expected, seq))
+        matvec_rows(w, x, y, mid, rows, cols, T, y_stride);
+    else
+        while (atomic_load(&pool.done) != seq) relax();
     pthread_mutex_unlock(&pool.use);
 }
 
