@@ -10,6 +10,13 @@ overlap and stragglers do not stall the step. The prompts are generated once and
 
     .venv/bin/python benchmarks/rl_async.py --checkpoint runs/tiny/sft/checkpoint [--steps 4]
 
+Placement (`--placement`): by default "split", the trainer on the first half of this machine's CPUs
+and the workers (with their sandboxes) on the rest, as the recipe runs them on separate hardware.
+Synchronous RL then idles the trainer's CPUs while rollouts run and the workers' CPUs while it
+trains, which is the cost asynchrony removes. "shared" lets every process use every CPU: on a
+machine this small the OS gives an idle role's cores to the busy one, so the two arms mostly
+time-share the same cores and asynchrony has little left to reclaim.
+
 samples/s counts rollouts over each arm's wall time (launch to the final checkpoint). The trainer
 idle fraction is the async arm's time waiting for groups over its loop time; delta_fraction is the
 mean bytes published per step over the full weights' bytes.
@@ -19,6 +26,7 @@ Last line: `name=value` pairs including async_speedup, trainer_idle_fraction, de
 from __future__ import annotations
 
 import argparse
+import os
 import shutil
 import tempfile
 import time
@@ -51,11 +59,20 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--lag", type=int, default=2, help="the async arm's rl.max_lag")
     ap.add_argument("--workers", type=int, default=2)
+    ap.add_argument("--placement", choices=["split", "shared"], default="split",
+                    help="split: trainer and workers on disjoint halves of the CPUs; shared: all on all")
     ap.add_argument("--out", default=None, help="keep both runs here (default: a temporary folder)")
     args = ap.parse_args()
     root = Path(args.out or tempfile.mkdtemp(prefix="kiln-rl-bench-"))
+    cpus = sorted(os.sched_getaffinity(0))
+    if args.placement == "split" and len(cpus) < 2:
+        ap.error("--placement split needs at least 2 CPUs; use --placement shared")
+    half = (len(cpus) + 1) // 2
+    trainer, workers = (cpus[:half], cpus[half:]) if args.placement == "split" else ([], [])
     base = load_config(args.config, [f"rl.steps={args.steps}", f"rl.workers={args.workers}",
+                                     f"rl.trainer_cpus={trainer}", f"rl.worker_cpus={workers}",
                                      f"sandbox.state_dir={root / 'sandboxes'}"])
+    print(f"placement {args.placement}: trainer on CPUs {trainer or cpus}, workers on {workers or cpus}", flush=True)
     tasks = prepare_tasks(base, root / "shared")
     res = {}
     for name, lag in (("sync", 0), ("async", args.lag)):
@@ -69,7 +86,8 @@ def main() -> None:
     print(f"async_speedup={speedup:.3f} trainer_idle_fraction={res['async']['idle_fraction']:.3f} "
           f"sync_trainer_idle_fraction={res['sync']['idle_fraction']:.3f} "
           f"delta_fraction={res['async']['delta_fraction']:.4f} samples={res['async']['samples']} "
-          f"sync_samples_per_s={res['sync']['samples_per_s']:.4f} async_samples_per_s={res['async']['samples_per_s']:.4f}")
+          f"sync_samples_per_s={res['sync']['samples_per_s']:.4f} async_samples_per_s={res['async']['samples_per_s']:.4f} "
+          f"placement={args.placement} cpus={len(cpus)}")
     if not args.out:
         shutil.rmtree(root, ignore_errors=True)
 

@@ -227,6 +227,10 @@ class RLConfig(Section):
     groups_per_step: int = Field(2, ge=1)
     max_lag: int = Field(1, ge=0)  # admission: never start a rollout its step would train > max_lag versions later
     workers: int = Field(2, ge=1)  # rollout worker processes
+    # Placement (rl/placement.py): CPU ids the trainer / the rollout workers and their sandboxes may use;
+    # [] = all. Disjoint sets mirror the recipe's separate training and sampling hardware.
+    trainer_cpus: list[int] = []
+    worker_cpus: list[int] = []
     temperature: float = Field(1.0, gt=0)
     lr: float = Field(1e-5, gt=0)  # Adam, full parameters, constant
     betas: tuple[float, float] = (0.9, 0.999)

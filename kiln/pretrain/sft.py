@@ -63,7 +63,7 @@ def sft(cfg, checkpoint, trajectories, run_dir, progress: bool = True) -> dict:
         for ph, d, start, end in zip(phases, packs, starts, starts[1:]):
             while run.step < end:
                 def rows(step=run.step - start, ph=ph, d=d):
-                    b = d.rows(batch_rows(len(d), step, ph.batch_size, p.seed))
+                    b = d.rows(batch_rows(len(d), step, ph.batch_size, p.seed)).trimmed()
                     return b.ids, b.docs, b.pos, b.mask
                 _train_step(run, ph, start, p, rows, run.mtp is not None, device, autocast, metrics, bar)
                 if run.step % p.checkpoint_every == 0 or run.step == end:

@@ -21,6 +21,7 @@ from pathlib import Path
 
 from kiln.config import config_to_toml
 
+from . import placement
 from .orchestrator import Orchestrator, Prompt
 from .rpc import RpcServer
 from .store import WeightStore
@@ -56,6 +57,10 @@ def run_rl(cfg, checkpoint: str, rl_dir: str, progress: bool = True) -> dict:
     from .worker import worker_main
 
     rl, run = cfg.rl, Path(rl_dir)
+    try:
+        placement.check(rl.trainer_cpus, rl.worker_cpus)
+    except ValueError as e:
+        raise RLError(str(e)) from None
     if not (Path(checkpoint) / "config.json").is_file():
         raise RLError(f"no checkpoint at {checkpoint!r}: run `kiln sft` first, or set rl.checkpoint=DIR")
     run.mkdir(parents=True, exist_ok=True)

@@ -30,6 +30,7 @@ def trainer_main(cfg_path: str, rl_dir: str, address, authkey: bytes) -> None:
         save_state,
     )
 
+    from .placement import pin
     from .rollout import load_group
     from .rpc import RpcClient
     from .store import WeightStore
@@ -37,6 +38,7 @@ def trainer_main(cfg_path: str, rl_dir: str, address, authkey: bytes) -> None:
 
     cfg = load_config(cfg_path)
     rl, run = cfg.rl, Path(rl_dir)
+    pin(rl.trainer_cpus)
     client = RpcClient(address, authkey, "trainer", rl.timeout_s)
     start = client.call("start_info")
     model, _ = load_checkpoint(start["checkpoint"], with_mtp=False)

@@ -17,7 +17,6 @@ POLL_S = 0.1
 
 
 def worker_main(cfg_path: str, rl_dir: str, worker_id: int, address, authkey: bytes) -> None:
-    import torch
 
     from kiln.config import load_config
     from kiln.engine import Engine
@@ -26,13 +25,14 @@ def worker_main(cfg_path: str, rl_dir: str, worker_id: int, address, authkey: by
     from kiln.model.tokenizer import load_tokenizer
     from kiln.tasks.record import load_suite
 
+    from .placement import pin
     from .rollout import run_group
     from .rpc import RpcClient
     from .store import WeightStore, WeightSubscriber
 
-    torch.set_num_threads(1)  # workers share the machine's cores with each other and the trainer
     cfg = load_config(cfg_path)
     rl = cfg.rl
+    pin(rl.worker_cpus, threads=1)  # one thread each: workers share their cores with each other
     name = f"worker-{worker_id}.{os.getpid()}"  # per incarnation: a restarted worker is a new one
     client = RpcClient(address, authkey, name, rl.timeout_s)
     start = client.call("start_info")

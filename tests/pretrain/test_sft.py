@@ -149,6 +149,14 @@ def test_packed_samples_never_see_each_other():
             assert torch.allclose(logits[r, c:c + len(ids)], alone, atol=1e-4)
             assert packed.mask[r, c:c + len(ids)].tolist() == mask
     assert packed.mask[packed.docs == -1].sum() == 0  # padding is never a target
+    # trimmed: a batch loses only the columns that are padding in all its rows, and no logit changes
+    one = packed.rows([1])  # the row holding the 7-token sample
+    short = one.trimmed()
+    assert short.ids.shape == (1, 7) and torch.equal(short.ids, one.ids[:, :7]) and short.mask.sum() == one.mask.sum()
+    assert packed.trimmed().ids.shape == packed.ids.shape  # row 0 is full
+    with torch.no_grad():
+        cut = model.head(model.trunk(short.ids, positions=short.pos, doc_ids=short.docs).hidden)
+    assert torch.allclose(cut, logits[1:2, :7], atol=1e-5)
     # batches: a seeded permutation per epoch, so every row comes once per epoch, the same on resume
     order = [batch_rows(5, step, 2, seed=3) for step in range(5)]
     assert sorted(order[0] + order[1] + order[2][:1]) == list(range(5)) and order == [batch_rows(5, s, 2, seed=3) for s in range(5)]

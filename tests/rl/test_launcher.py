@@ -31,7 +31,9 @@ def _trained(rl_dir):
 
 def test_rl_runs_trains_publishes_and_never_repeats_a_prompt(tmp_path, tiny_checkpoint):
     rl_dir = tmp_path / "rl"
-    s = run_rl(_cfg(tmp_path), str(tiny_checkpoint), str(rl_dir), progress=False)
+    cpus = sorted(os.sched_getaffinity(0))  # the trainer and the workers pinned apart (rl/placement.py)
+    s = run_rl(_cfg(tmp_path, trainer_cpus=cpus[:1], worker_cpus=cpus[-1:]), str(tiny_checkpoint), str(rl_dir),
+               progress=False)
     rows = s["metrics"]
     assert [r["step"] for r in rows] == [1, 2]
     assert all(max(r["group_lag"]) <= 1 for r in rows)  # admission bounds staleness

@@ -1,0 +1,34 @@
+"""Where the RL processes run: the trainer and the rollout workers on disjoint CPU sets.
+
+The recipe trains and samples on separate hardware, so synchronous RL leaves one side idle while
+the other works and asynchrony reclaims it. Processes that share every core of one machine hide
+that: the OS hands an idle role's cores to the busy one. rl.trainer_cpus / rl.worker_cpus pin
+each role (its threads and every sandbox it starts inherit the mask); empty means all CPUs.
+"""
+from __future__ import annotations
+
+import os
+
+
+def check(trainer_cpus: list[int], worker_cpus: list[int]) -> None:
+    """Raise ValueError naming what is wrong with the placement, before any process starts."""
+    have = sorted(os.sched_getaffinity(0))
+    for key, cpus in (("trainer_cpus", trainer_cpus), ("worker_cpus", worker_cpus)):
+        missing = sorted(set(cpus) - set(have))
+        if missing:
+            raise ValueError(f"rl.{key} names CPU(s) {missing}, but this process may run on {have}: "
+                             f"use ids from that list, or [] for all of them")
+        if len(set(cpus)) != len(cpus):
+            raise ValueError(f"rl.{key} lists a CPU twice: {cpus}")
+
+
+def pin(cpus: list[int], threads: int | None = None) -> int:
+    """Restrict this process (and what it starts) to `cpus` (empty: leave it); set torch's
+    intra-op threads to `threads`, or to the number of CPUs it may use. Returns that number."""
+    import torch
+
+    if cpus:
+        os.sched_setaffinity(0, cpus)
+    n = threads or len(os.sched_getaffinity(0))
+    torch.set_num_threads(n)
+    return n

@@ -1,0 +1,63 @@
+"""RL process placement: pinning a role restricts it and everything it starts; bad CPU ids are
+refused before any process starts."""
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import subprocess
+
+import pytest
+
+from kiln.config import load_config
+from kiln.rl import placement
+from kiln.rl.launcher import RLError, run_rl
+
+
+def _pinned_child(cpus, threads, q):
+    n = placement.pin(cpus, threads)
+    import torch
+
+    # A process it starts (as a sandbox would be) inherits the mask.
+    status = subprocess.run(["cat", "/proc/self/status"], capture_output=True, text=True, check=True).stdout
+    allowed = next(line.split(":")[1].strip() for line in status.splitlines() if line.startswith("Cpus_allowed_list"))
+    q.put((n, torch.get_num_threads(), sorted(os.sched_getaffinity(0)), allowed))
+
+
+def _run_pinned(cpus, threads=None):
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    p = ctx.Process(target=_pinned_child, args=(cpus, threads, q))
+    p.start()
+    out = q.get(timeout=60)
+    p.join(10)
+    assert p.exitcode == 0
+    return out
+
+
+def test_pin_restricts_the_process_its_threads_and_its_children():
+    last = max(os.sched_getaffinity(0))
+    n, torch_threads, mask, child_mask = _run_pinned([last])
+    assert (n, torch_threads, mask, child_mask) == (1, 1, [last], str(last))
+
+
+def test_pin_with_no_cpus_keeps_every_cpu_and_sets_the_threads():
+    have = sorted(os.sched_getaffinity(0))
+    n, torch_threads, mask, _ = _run_pinned([], threads=1)
+    assert (n, torch_threads, mask) == (1, 1, have)
+
+
+def test_check_names_the_bad_cpu_and_what_is_allowed():
+    have = sorted(os.sched_getaffinity(0))
+    with pytest.raises(ValueError, match=r"rl.worker_cpus names CPU\(s\) \[9999\].*" + str(have).replace("[", r"\[")
+                       .replace("]", r"\]")):
+        placement.check([], [9999])
+    with pytest.raises(ValueError, match="trainer_cpus lists a CPU twice"):
+        placement.check([have[0], have[0]], [])
+    placement.check([have[0]], [have[-1]])  # a valid split passes
+
+
+def test_run_rl_refuses_a_bad_placement_before_starting_anything(tmp_path):
+    cfg = load_config(None, ["rl.trainer_cpus=[9999]"])
+    with pytest.raises(RLError, match="rl.trainer_cpus names CPU"):
+        run_rl(cfg, str(tmp_path / "no-checkpoint"), str(tmp_path / "rl"), progress=False)
+    assert not (tmp_path / "rl").exists()
