@@ -153,17 +153,18 @@ class PretrainConfig(Section):
     """`kiln pretrain` (kiln/pretrain/trainer.py). Each phase runs its own schedule: warmup to its lr,
     then cosine or WSD (warmup-stable-decay) down to min_lr_ratio x lr at its last step, as a phase
     of continued pretraining restarts from the previous one's weights and optimizer moments. The
-    tiny phases take about 7 minutes on 2 cores (bulk ~2,600 tokens/s, extension with MTP ~1,250);
+    tiny phases take about 6.5 minutes on 2 cores (bulk ~2,600 tokens/s, extension with MTP ~1,250);
     SFT phases are `kiln sft`'s (agent trajectories, from the pretrained checkpoint; the tiny one
-    takes about 6 minutes)."""
+    takes about 8 minutes)."""
     phases: list[PhaseConfig] = [
         # lr 2e-3 after a 30-step warmup: 3e-3 after 15 spiked past ln(vocab) at the first evaluation in one run.
-        PhaseConfig(name="bulk", kind="bulk", steps=180, seq_len=256, batch_size=16, lr=2e-3, warmup_steps=30),
+        PhaseConfig(name="bulk", kind="bulk", steps=160, seq_len=256, batch_size=16, lr=2e-3, warmup_steps=30),
         PhaseConfig(name="extension", kind="extension", steps=30, seq_len=1024, batch_size=4, lr=1e-3,
                     warmup_steps=3, rope_theta=40000.0),
-        # One level-1 toy rollout per row (~2,100 tokens, at most ~2,600): ~6 s a step on 2 cores,
-        # 3 epochs over the oracle's 80 rollouts.
-        PhaseConfig(name="sft", kind="sft", steps=60, seq_len=2560, batch_size=4, lr=1e-3, warmup_steps=3),
+        # One level-1 toy rollout per row (~2,100 tokens, at most ~2,600): ~2.4 s a step on 2 cores,
+        # 5 epochs over the oracle's 80 rollouts. Many small steps at 2e-3 beat 60 steps of 4 rows at
+        # 1e-3 (the tiny run's tool calls parsed 92% of the time against 28%, held-out oracle loss 0.47 against 1.09).
+        PhaseConfig(name="sft", kind="sft", steps=200, seq_len=2560, batch_size=2, lr=2e-3, warmup_steps=5),
     ]
     schedule: Literal["cosine", "wsd"] = "cosine"
     min_lr_ratio: float = Field(0.1, ge=0, le=1)  # each phase ends at min_lr_ratio x its lr
