@@ -22,6 +22,7 @@ from .base import ApproxTokens
 _LINE = re.compile(r"^\s*(\d+)\t(.*)$")
 _SYMBOL = re.compile(r"`([A-Za-z_][A-Za-z_0-9]*)")  # the leading identifier of a `code span`
 _MORE = re.compile(r"offset=(\d+)")
+_PAGE = 200  # lines per read: stays well inside the observation limit
 _SEARCH = ["Let me find where that is defined.", "First, where is it defined?", "Searching the code for it."]
 _OPENERS = ["Let me look at the code involved.", "First I'll read the relevant files.",
             "I'll start by reading the code.", "Reading the files this touches."]
@@ -72,8 +73,7 @@ class OraclePolicy(ApproxTokens):
                 self.pending_reads.append((path, int(more.group(1))))
 
     def _read(self, path: str, offset: int) -> Call:
-        # The tool's own page size; the fewest arguments: the demonstration a small model copies.
-        return Call("", "read_file", {"path": path} if offset == 1 else {"path": path, "offset": offset})
+        return Call("", "read_file", {"path": path, "offset": offset, "limit": _PAGE})
 
     def generate(self, messages: list[dict], tools: list[dict], max_tokens: int) -> TurnRecord:
         offered = self.offered = {t["function"]["name"] for t in tools}
