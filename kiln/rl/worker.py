@@ -17,7 +17,6 @@ POLL_S = 0.1
 
 
 def worker_main(cfg_path: str, rl_dir: str, worker_id: int, address, authkey: bytes) -> None:
-
     from kiln.config import load_config
     from kiln.engine import Engine
     from kiln.engine.runner import EngineRunner
