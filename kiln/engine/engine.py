@@ -22,6 +22,7 @@ from kiln.engine.detok import Detokenizer
 from kiln.engine.fast import FastTrunk
 from kiln.engine.kvcache import KVCache
 from kiln.engine.native import MAX_TOKENS, NativeTrunk, library, supported
+from kiln.engine.prefix import PrefixCache
 from kiln.engine.sampling import (
     SamplingParams,
     make_generator,
@@ -81,8 +82,12 @@ class Request:
 
 class Engine:
     def __init__(self, model, tokenizer=None, mtp=None, max_batch: int = 8, max_len: int | None = None,
-                 version: int = 0, capture_routes: bool = True, native: bool = True):
+                 version: int = 0, capture_routes: bool = True, native: bool = True, prefix_slots: int = 0):
+        """prefix_slots: finished sequences kept for prefix reuse (prefix.py); 0 = none."""
         cfg = model.config
+        if prefix_slots and mtp is not None:
+            raise ValueError("prefix reuse does not cover the MTP drafter's cache yet: give prefix_slots=0 "
+                             "with an MTP module, or decode without it")
         self.model, self.tok, self.mtp = model, tokenizer, mtp
         self.version, self.capture_routes = version, capture_routes
         self.max_batch = max_batch
@@ -93,6 +98,7 @@ class Engine:
                              cfg.head_dim, self.dtype, self.device)
         self.mtp_cache = None if mtp is None else KVCache(
             mtp.depth, max_batch, self.max_len, cfg.num_key_value_heads, cfg.head_dim, self.dtype, self.device)
+        self.prefix = PrefixCache(prefix_slots, self.cache) if prefix_slots > 0 else None
         self.default_stop_ids = _stop_ids(tokenizer, cfg)
         self.fast = FastTrunk(model) if self.dtype == torch.float32 else None
         # Few sequences on the CPU: native.c's step (no per-op dispatch); `native=False` opts out.
@@ -186,6 +192,8 @@ class Engine:
                 trunk.refresh()
         if mtp_state is not None and self.mtp is not None:
             _copy_into(self.mtp, mtp_state)
+        if self.prefix is not None:
+            self.prefix.clear()  # kept prefixes are the old weights' (running sequences carry on, by design)
         self.version = version
 
     def _admit(self) -> None:
@@ -199,8 +207,12 @@ class Engine:
             r.detok = Detokenizer(self.tok, r.params.stop) if self.tok is not None else None
             slot = len(self.running)
             self.running.append(r)
-            hidden = self.forward(slot, torch.tensor([r.prompt_ids], device=self.device),
-                                  torch.arange(len(r.prompt_ids), device=self.device)[None], [r])
+            done = 0
+            if self.prefix is not None:
+                done, routes = self.prefix.restore(r.prompt_ids, self.cache, slot)
+                r.routes = list(routes) if self.capture_routes else []
+            hidden = self.forward(slot, torch.tensor([r.prompt_ids[done:]], device=self.device),
+                                  torch.arange(done, len(r.prompt_ids), device=self.device)[None], [r])
             r.length = len(r.prompt_ids)
             self.emit(r, [self.sample(r, self.head(hidden[0, -1]).float().cpu())])
             if self.mtp is not None and r.finish_reason is None:
@@ -280,6 +292,8 @@ class Engine:
         done = [r for r in self.running if r.finish_reason is not None]
         for r in done:
             slot, last = self.running.index(r), len(self.running) - 1
+            if self.prefix is not None:  # the cache holds the prompt and every token but the last
+                self.prefix.park(self.cache, slot, (r.prompt_ids + r.tokens)[:r.length], r.routes)
             if slot != last:  # keep running sequences in slots 0..n-1
                 moved = self.running[last]
                 self.cache.move(last, slot, moved.length)

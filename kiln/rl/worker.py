@@ -47,7 +47,10 @@ def worker_main(cfg_path: str, rl_dir: str, worker_id: int, address, authkey: by
             time.sleep(POLL_S)
     model.load_state_dict(got[1])
     max_len = min(cfg.model.context, model.config.max_position_embeddings)
-    engine = Engine(model, tok, max_batch=rl.group_size, max_len=max_len, version=got[0])
+    # Prefix reuse: one kept conversation per rollout of a group, as many again for the system
+    # prompt that every task's rollouts start with.
+    engine = Engine(model, tok, max_batch=rl.group_size, max_len=max_len, version=got[0],
+                    prefix_slots=2 * rl.group_size)
     runner = EngineRunner(engine)
     runner.start()
     stop = threading.Event()
@@ -63,7 +66,8 @@ def worker_main(cfg_path: str, rl_dir: str, worker_id: int, address, authkey: by
             if new is not None:
                 engine.update_weights(new[1], new[0])
 
-    threading.Thread(target=poll_weights, name="weights", daemon=True).start()
+    poller = threading.Thread(target=poll_weights, name="weights", daemon=True)
+    poller.start()
     tasks = {t.id: t for t in load_suite(start["tasks"])}
     out = os.path.join(rl_dir, "groups")
     try:
@@ -78,5 +82,7 @@ def worker_main(cfg_path: str, rl_dir: str, worker_id: int, address, authkey: by
             client.call("submit", worker=name, group=job["group"], path=path)
     finally:
         stop.set()
+        # Not left to die at exit inside a torch op (which aborts the process: "terminate called").
+        poller.join(timeout=30)
         runner.close()
         client.close()

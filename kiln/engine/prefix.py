@@ -1,0 +1,84 @@
+"""Prefix reuse: the keys and values of finished sequences, kept so that a later prompt starting
+with the same tokens prefills only the rest.
+
+An agent's turns are token-in, token-out (policies/local.py): each turn's prompt is the previous
+turn's prompt and completion ids plus the new messages, and the G rollouts of a group all start
+from one prompt. Without reuse every turn prefills the whole conversation again.
+
+Entries live in a KV cache of their own, least recently used evicted. A hit is copied into the
+request's running slot (never shared), so running sequences keep slots 0..n-1 and an entry
+outlives the request that reused it (the other rollouts of a group want it too).
+"""
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+
+import numpy as np
+
+from kiln.engine.kvcache import KVCache
+
+
+@dataclass
+class _Entry:
+    tokens: np.ndarray  # the tokens whose keys and values the slot holds, in order
+    routes: list  # their routed experts ([L, k] per position), when the engine captures them
+    used: int  # last use, on the cache's clock
+
+
+class PrefixCache:
+    def __init__(self, slots: int, like: KVCache, min_tokens: int = 16):
+        n_layers, _, heads, max_len, head_dim = like.k.shape
+        self.kv = KVCache(n_layers, slots, max_len, heads, head_dim, like.k.dtype, like.k.device)
+        self.entries: list[_Entry | None] = [None] * slots
+        self.min_tokens = min_tokens  # shorter prefixes are not worth a slot
+        self._clock = itertools.count()
+        self.hits = self.reused_tokens = 0
+
+    def park(self, cache: KVCache, slot: int, tokens: list[int], routes: list) -> None:
+        """Keep the first len(tokens) positions of `cache`'s `slot`, which hold `tokens`."""
+        n = len(tokens)
+        if n < self.min_tokens:
+            return
+        new = np.asarray(tokens, dtype=np.int64)
+        # An entry that this one extends (the previous turn of the same conversation) is replaced;
+        # otherwise a free slot, otherwise the least recently used.
+        i = next((i for i, e in enumerate(self.entries) if e is not None and len(e.tokens) <= n
+                  and _common(e.tokens, new, n) == len(e.tokens)), None)
+        if i is None:
+            i = min(range(len(self.entries)), key=lambda j: -1 if self.entries[j] is None else self.entries[j].used)
+        self.kv.k[:, i, :, :n] = cache.k[:, slot, :, :n]
+        self.kv.v[:, i, :, :n] = cache.v[:, slot, :, :n]
+        self.entries[i] = _Entry(new, list(routes[:n]), next(self._clock))
+
+    def restore(self, prompt: list[int], cache: KVCache, slot: int) -> tuple[int, list]:
+        """Copy the longest kept prefix of `prompt` into `cache`'s `slot`, leaving at least the
+        prompt's last token to feed (its logits start the completion). Returns how many positions
+        were restored (0: none) and their routes."""
+        want = np.asarray(prompt, dtype=np.int64)
+        best, n = None, 0
+        for i, e in enumerate(self.entries):
+            if e is not None:
+                m = _common(e.tokens, want, len(prompt) - 1)
+                if m > n:
+                    best, n = i, m
+        if best is None or n < self.min_tokens:
+            return 0, []
+        cache.k[:, slot, :, :n] = self.kv.k[:, best, :, :n]
+        cache.v[:, slot, :, :n] = self.kv.v[:, best, :, :n]
+        e = self.entries[best]
+        e.used = next(self._clock)
+        self.hits += 1
+        self.reused_tokens += n
+        return n, e.routes[:n]
+
+    def clear(self) -> None:
+        """Forget every entry (new weights: kept keys and values belong to the old ones)."""
+        self.entries = [None] * len(self.entries)
+
+
+def _common(a: np.ndarray, b: np.ndarray, limit: int) -> int:
+    """Length of the common prefix of a and b, at most `limit`."""
+    m = min(len(a), len(b), limit)
+    diff = np.flatnonzero(a[:m] != b[:m])
+    return int(diff[0]) if len(diff) else m

@@ -1,0 +1,91 @@
+"""Prefix reuse on a real tiny MoE: a conversation's next turn and a group's shared prompt prefill
+only their new tokens, and give the same tokens, logprobs and routes as prefilling everything."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kiln.engine import Engine, SamplingParams
+from tests.engine.test_engine import perturbed
+from tests.threads import one_thread  # noqa: F401 - autouse: one torch thread in this module
+from tests.tiny_model import tiny_model
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=8)
+SYSTEM = [(7 * i) % 500 + 3 for i in range(40)]  # a shared opening, longer than min_tokens
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_model(0)[0]
+
+
+def turns(engine: Engine, n: int = 3) -> list:
+    """A token-in, token-out conversation: each prompt is the last prompt, its completion and a
+    new 'observation'."""
+    prompt, out = SYSTEM + [11, 12, 13], []
+    for t in range(n):
+        c = engine.generate([prompt], GREEDY)[0]
+        out.append(c)
+        prompt = prompt + c.token_ids + [20 + t] * (5 + t)
+    return out
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_later_turns_reuse_the_conversation_and_match_full_prefill(model, native):
+    plain = turns(Engine(model, max_batch=2, native=native))
+    engine = Engine(model, max_batch=2, native=native, prefix_slots=2)
+    reused = turns(engine)
+    for a, b in zip(plain, reused):
+        assert a.prompt_ids == b.prompt_ids and a.token_ids == b.token_ids
+        torch.testing.assert_close(torch.tensor(b.logprobs), torch.tensor(a.logprobs), atol=1e-4, rtol=0)
+        assert b.routes == a.routes  # router replay sees every position, reused ones included
+    # Turns 2 and 3 restored everything the previous turn held: its prompt and all but its last token.
+    assert engine.prefix.hits == 2
+    want = sum(len(c.prompt_ids) + len(c.token_ids) - 1 for c in reused[:2])
+    assert engine.prefix.reused_tokens == want
+    assert sum(e is not None for e in engine.prefix.entries) == 1  # each turn replaced the one it extends
+
+
+def test_a_group_shares_its_prompt_and_seeded_samples_do_not_change(model):
+    prompt = SYSTEM + [9, 8, 7]
+    params = [SamplingParams(temperature=1.0, max_tokens=6, seed=s) for s in range(4)]
+    plain = Engine(model, max_batch=4).generate([prompt] * 4, params)
+    engine = Engine(model, max_batch=4, prefix_slots=4)
+    engine.generate([prompt], params[:1])  # the group's first rollout, alone
+    reused = engine.generate([prompt] * 4, params)
+    assert [c.token_ids for c in reused] == [c.token_ids for c in plain]
+    assert engine.prefix.hits == 4 and engine.prefix.reused_tokens == 4 * (len(prompt) - 1)
+
+
+def test_new_weights_drop_kept_prefixes():
+    model = tiny_model(0)[0]  # its own: an update writes into the engine's model
+    new = perturbed(model)
+    engine = Engine(model, max_batch=1, prefix_slots=2)
+    first = turns(engine, 1)[0]
+    engine.update_weights(new, version=1)
+    engine.step()  # applies the update
+    assert all(e is None for e in engine.prefix.entries)
+    nxt = first.prompt_ids + first.token_ids + [20] * 5
+    got = engine.generate([nxt], GREEDY)[0]
+    assert engine.prefix.hits == 0 and got.versions == [1] * len(got.token_ids)
+    fresh = Engine(tiny_model(0)[0], max_batch=1)
+    fresh.update_weights(new, version=1)
+    assert got.token_ids == fresh.generate([nxt], GREEDY)[0].token_ids
+
+
+def test_least_recently_used_entry_is_evicted_and_short_prompts_are_not_kept(model):
+    engine = Engine(model, max_batch=1, prefix_slots=1)
+    a, b = SYSTEM + [1, 2], [x + 1 for x in SYSTEM] + [1, 2]
+    engine.generate([a], GREEDY)
+    engine.generate([b], GREEDY)  # evicts a's entry
+    engine.generate([a], GREEDY)
+    assert engine.prefix.hits == 0
+    engine.generate([[5, 6, 7]], GREEDY)  # shorter than min_tokens: not kept, a's entry stays
+    engine.generate([a], GREEDY)
+    assert engine.prefix.hits == 1
+
+
+def test_prefix_reuse_with_an_mtp_drafter_is_refused_clearly():
+    model, mtp = tiny_model(0)
+    with pytest.raises(ValueError, match="prefix_slots=0"):
+        Engine(model, mtp=mtp, prefix_slots=2)
