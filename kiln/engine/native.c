@@ -8,8 +8,10 @@
  *
  * Built by kiln/engine/native.py with the system C compiler; no Python or torch headers.
  */
+#define _GNU_SOURCE /* sched_getaffinity */
 #include <math.h>
 #include <pthread.h>
+#include <sched.h>
 #include <stdatomic.h>
 #include <stdint.h>
 #include <string.h>
@@ -60,7 +62,8 @@ static void matvec_rows(const float *w, const float *x, float *y, int r0, int r1
  * (the products of one token follow each other closely), then sleeps. Each row's arithmetic is
  * the same whichever thread does it, so results do not depend on the split; rows the helper has
  * not claimed by the time the caller finishes its half, the caller does itself. One caller at a time
- * uses the helper; a concurrent caller (another engine's thread) computes alone. */
+ * uses the helper; a concurrent caller (another engine's thread) computes alone. A process confined
+ * to one CPU (an RL rollout worker) starts no helper: it would only spin on the caller's core. */
 #define SPLIT_MIN_FLOATS (64 * 1024)
 #define SPIN_ROUNDS 20000
 
@@ -117,6 +120,15 @@ static void forget_helper(void) {
     pool.started = 0;
 }
 
+static int one_cpu(void) {
+#ifdef CPU_COUNT
+    cpu_set_t set;
+    return sched_getaffinity(0, sizeof set, &set) == 0 && CPU_COUNT(&set) < 2;
+#else
+    return 0;
+#endif
+}
+
 static void matvec(const float *w, const float *x, float *y, int rows, int cols, int T, int y_stride) {
     if ((int64_t)rows * cols < SPLIT_MIN_FLOATS || pthread_mutex_trylock(&pool.use) != 0) {
         matvec_rows(w, x, y, 0, rows, cols, T, y_stride);
@@ -124,7 +136,7 @@ static void matvec(const float *w, const float *x, float *y, int rows, int cols,
     }
     if (!pool.started) {
         pthread_t th;
-        pool.started = pthread_create(&th, NULL, helper, NULL) == 0 ? 1 : -1;
+        pool.started = !one_cpu() && pthread_create(&th, NULL, helper, NULL) == 0 ? 1 : -1;
         if (pool.started == 1) {
             pthread_detach(th);
             static int registered;

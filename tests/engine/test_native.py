@@ -141,3 +141,19 @@ def test_a_forked_child_decodes_natively_after_its_parent_did():
             "os._exit(0 if a == b else 3) if pid == 0 else print(os.waitpid(pid, 0)[1] == 0 and a == b)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False)
     assert out.returncode == 0 and out.stdout.strip() == "True", out.stderr
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two CPUs to compare against one")
+@pytest.mark.parametrize("cpus", [1, 2])
+def test_the_helper_thread_starts_only_with_a_second_cpu(cpus):
+    # Confined to one CPU (an RL worker), a helper could only spin on the caller's core.
+    code = ("import os, torch; from kiln.engine import Engine, SamplingParams; from kiln.model.moe import MoeForCausalLM;"
+            "from kiln.model.config import ModelConfig; torch.set_num_threads(1); torch.manual_seed(0);"
+            f"os.sched_setaffinity(0, sorted(os.sched_getaffinity(0))[:{cpus}]);"
+            "m = MoeForCausalLM(ModelConfig.from_depth(4, vocab_size=8192)).eval();"
+            "e = Engine(m, max_batch=1, max_len=32); before = len(os.listdir('/proc/self/task'));"
+            "e.generate([[1, 2, 3]], SamplingParams(temperature=0, max_tokens=4, stop_token_ids=()));"
+            "print(len(os.listdir('/proc/self/task')) - before)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False)
+    assert out.returncode == 0, out.stderr
+    assert int(out.stdout.strip()) == (0 if cpus == 1 else 1)
