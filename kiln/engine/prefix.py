@@ -46,7 +46,8 @@ class PrefixCache:
         i = next((i for i, e in enumerate(self.entries) if e is not None and len(e.tokens) <= n
                   and _common(e.tokens, new, n) == len(e.tokens)), None)
         if i is None:
-            i = min(range(len(self.entries)), key=lambda j: -1 if self.entries[j] is None else self.entries[j].used)
+            free = [j for j, e in enumerate(self.entries) if e is None]
+            i = free[0] if free else min(range(len(self.entries)), key=lambda j: self.entries[j].used)
         self.kv.k[:, i, :, :n] = cache.k[:, slot, :, :n]
         self.kv.v[:, i, :, :n] = cache.v[:, slot, :, :n]
         self.entries[i] = _Entry(new, list(routes[:n]), next(self._clock))
