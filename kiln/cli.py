@@ -137,8 +137,9 @@ def _mount_tasks() -> None:
     from kiln.cli_tasks import bench, tasks_app
     app.add_typer(tasks_app, name="tasks")
     app.command()(bench)
-    from kiln.cli_model import serve, tokenizer_app
+    from kiln.cli_model import probe_app, serve, tokenizer_app
     app.add_typer(tokenizer_app, name="tokenizer")
+    app.add_typer(probe_app, name="probe")
     app.command()(serve)
     from kiln.cli_pretrain import corpus_app
     app.add_typer(corpus_app, name="corpus")

@@ -7,6 +7,7 @@ from typing import Annotated, NoReturn
 import typer
 
 tokenizer_app = typer.Typer(help="Train and inspect the byte-level BPE tokenizer.", no_args_is_help=True)
+probe_app = typer.Typer(help="Measure what a checkpoint can do, without an agent.", no_args_is_help=True)
 
 
 def _fail(message: str) -> NoReturn:
@@ -59,6 +60,42 @@ def encode(text: Annotated[str, typer.Argument(help="The text to encode.")],
     typer.echo(f"{len(ids)} tokens: {ids}")
     for i in ids:
         typer.echo(f"{i:>7}  {tok.decode([i])!r}")
+
+
+@probe_app.command("copy")
+def probe_copy(checkpoints: Annotated[list[str], typer.Argument(help="Checkpoint folders to probe (compared side by side).")],
+               heldout: Annotated[str | None, typer.Option(
+                   "--heldout", help="A text file of held-out code for the code spans, e.g. a corpus's heldout.txt; "
+                   "default: kiln's own source tree (the default held-out codebase).")] = None,
+               n: Annotated[int, typer.Option("--n", min=1, help="Spans of each kind.")] = 64,
+               span: Annotated[int, typer.Option("--span", min=2, help="Tokens per span.")] = 32,
+               seed: Annotated[int, typer.Option("--seed", help="Seeds the spans: the same seed probes the same spans.")] = 0,
+               as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object per checkpoint.")] = False):
+    """Can the model copy from its context? Mean loss (nats) on the second copy of a span against
+    the first: random full-vocabulary spans (only the context predicts them) and held-out code."""
+    import json
+
+    from kiln.model.checkpoint import CheckpointError
+    from kiln.pretrain.copying import probe_checkpoint
+
+    try:
+        text = Path(heldout).read_text(encoding="utf-8") if heldout else None
+    except (OSError, UnicodeDecodeError) as e:
+        _fail(f"--heldout {heldout}: {e}")
+    for ckpt in checkpoints:
+        try:
+            r = probe_checkpoint(ckpt, text, n=n, span=span, seed=seed)
+        except (CheckpointError, FileNotFoundError, ValueError) as e:
+            _fail(f"{ckpt}: {e}")
+        if as_json:
+            typer.echo(json.dumps({"checkpoint": ckpt, **r}))
+            continue
+        typer.echo(f"{ckpt}: {n} spans of {span} tokens; mean loss in nats (random chance {r['chance']:.2f})")
+        typer.echo(f"  {'spans':<8} {'first copy':>11} {'second copy':>12} {'second-copy top-1':>18}")
+        for kind in ("random", "code"):
+            if kind in r:
+                k = r[kind]
+                typer.echo(f"  {kind:<8} {k['first']:>11.3f} {k['second']:>12.3f} {k['second_top1']:>18.1%}")
 
 
 def serve(checkpoint: Annotated[str, typer.Option("--checkpoint", help="A checkpoint folder (config.json, weights, tokenizer).")],

@@ -17,6 +17,14 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 from kiln.tomlw import toml_key, toml_value
 
 CONFIGS_DIR = Path(__file__).resolve().parent.parent / "configs"  # repo root; fine for editable installs
+PROJECT_DIR = CONFIGS_DIR.parent  # also holds bases/: pretrained checkpoints kiln ships
+
+
+def project_path(path: str) -> Path:
+    """`path` as given when it exists (or is absolute), else relative to kiln's project folder:
+    `bases/tiny` works from any working directory."""
+    p = Path(path).expanduser()
+    return p if p.is_absolute() or p.exists() or not (PROJECT_DIR / p).exists() else PROJECT_DIR / p
 
 
 class ConfigError(ValueError):
@@ -73,7 +81,11 @@ class HarnessConfig(Section):
     shell_timeout_s: float = Field(60.0, gt=0)  # run_shell default; the model may ask up to shell_max_timeout_s
     shell_max_timeout_s: float = Field(600.0, gt=0)
     grep_max_results: int = Field(100, ge=1)
-    summary_trigger_tokens: int = Field(24_000, ge=256)  # context size that triggers a self-summary
+    # Self-summary: when a segment fills `summary_at` of the model's context window, the agent writes
+    # a summary and continues in a fresh context from it. The window is the local policy's own (its
+    # engine's); for other policies (an API, the oracle writing SFT data) it is `context_tokens`.
+    summary_at: float = Field(0.6, gt=0, le=1)
+    context_tokens: int = Field(4096, ge=256)
     max_summaries: int = Field(8, ge=0)
     web_provider: Literal["offline", "http"] = "offline"
     web_corpus: str = "/usr/share/doc/python3-doc/html"  # offline provider: a folder of HTML/text pages
@@ -85,6 +97,9 @@ class HarnessConfig(Section):
 class PolicyConfig(Section):
     kind: Literal["openai", "oracle", "scripted", "local"] = "openai"
     checkpoint: str = ""  # local: a kiln checkpoint directory (model, MTP drafter, tokenizer)
+    # local: draft with the checkpoint's MTP (speculative decoding). Off by default: on a CPU the
+    # drafter costs more than it saves (0.45x plain decoding) and it rules out prefix reuse across turns.
+    speculative: bool = False
     base_url: str = "http://127.0.0.1:8000/v1"  # any OpenAI-compatible chat-completions endpoint
     model: str = "kiln"
     api_key_env: str = "OPENAI_API_KEY"  # the key is read from this env var, never from config
@@ -105,6 +120,10 @@ class ModelSection(Section):
     experts: int = Field(8, ge=1)
     top_k: int = Field(2, ge=1)
     mtp_depth: int = Field(1, ge=0)  # MTP layers for speculative decoding; 0 = none
+    # One matrix for the input embedding and the output head (HF's tie_word_embeddings): the tiny
+    # shape learns to copy from its context within ~250 steps tied and not at all untied (see
+    # docs/architecture.md, "Copying").
+    tie_embeddings: bool = True
 
 
 class CorpusConfig(Section):
@@ -141,6 +160,9 @@ class PhaseConfig(Section):
     lr: float = Field(gt=0)  # the phase's peak learning rate
     warmup_steps: int = Field(0, ge=0)  # linear warmup from the phase's first step up to lr
     rope_theta: float | None = Field(None, gt=0)  # RoPE base from this phase on; None = keep the model's
+    # Share of each batch's rows that are copy practice ([span][same span], loss on the second copy;
+    # kiln/pretrain/copying.py): bulk and extension phases only.
+    copy_frac: float = Field(0.0, ge=0, lt=1)
 
     @model_validator(mode="after")
     def _accum_divides_batch(self):
@@ -157,10 +179,12 @@ class PretrainConfig(Section):
     SFT phases are `kiln sft`'s (agent trajectories, from the pretrained checkpoint; the tiny one
     takes about 8 minutes)."""
     phases: list[PhaseConfig] = [
-        # lr 2e-3 after a 30-step warmup: 3e-3 after 15 spiked past ln(vocab) at the first evaluation in one run.
-        PhaseConfig(name="bulk", kind="bulk", steps=160, seq_len=256, batch_size=16, lr=2e-3, warmup_steps=30),
-        PhaseConfig(name="extension", kind="extension", steps=30, seq_len=1024, batch_size=4, lr=1e-3,
-                    warmup_steps=3, rope_theta=40000.0),
+        # Continued pretraining of the committed base (init): copy practice as the base had it, so
+        # copying stays. From scratch, configs/base.toml's 2,700 steps are what copying takes.
+        PhaseConfig(name="bulk", kind="bulk", steps=100, seq_len=256, batch_size=16, lr=1e-3, warmup_steps=10,
+                    copy_frac=0.25),
+        PhaseConfig(name="extension", kind="extension", steps=30, seq_len=1024, batch_size=4, lr=5e-4,
+                    warmup_steps=3, rope_theta=40000.0, copy_frac=0.25),
         # One level-1 toy rollout per row (~2,100 tokens, at most ~2,600): ~2.4 s a step on 2 cores,
         # 5 epochs over the oracle's 80 rollouts. Many small steps at 2e-3 beat 60 steps of 4 rows at
         # 1e-3 (the tiny run's tool calls parsed 92% of the time against 28%, held-out oracle loss 0.47 against 1.09).
@@ -177,7 +201,14 @@ class PretrainConfig(Section):
     # start of the next phase to the end of the run. Its trunk inputs are detached: it never
     # changes the main model.
     mtp_start: float = Field(0.5, ge=0, le=1)
-    eval_points: int = Field(8, ge=0)  # held-out evaluations, log-spaced over the run (plus each phase's end)
+    # A checkpoint to continue pretraining from (`kiln pretrain --init` overrides it); its tokenizer
+    # becomes the run's. Empty = from scratch. Relative paths fall back to kiln's project folder, so
+    # "bases/tiny" (the committed tiny base, configs/base.toml) works from anywhere.
+    init: str = "bases/tiny"
+    # Also write the final model here in bf16 with its pretraining history (history.json): how a
+    # base is published for others to continue from (configs/base.toml writes bases/tiny).
+    publish: str = ""
+    eval_points: int = Field(6, ge=0)  # held-out evaluations, log-spaced over the run (plus each phase's end)
     eval_window: int = Field(256, ge=2)  # context tokens of the rolling window
     eval_stride: int = Field(192, ge=1)  # new tokens scored per window (<= eval_window)
     eval_max_bytes: int = Field(48_000, ge=0)  # held-out text scored (its first N bytes); 0 = all of it
@@ -194,7 +225,7 @@ class PretrainConfig(Section):
 
 class SftConfig(Section):
     """`kiln sft`'s data; its training settings are pretrain.phases' phases of kind "sft"."""
-    oracle_tasks: int = Field(80, ge=0)  # toy train-split tasks the oracle solves for SFT data; 0 = none
+    oracle_tasks: int = Field(400, ge=0)  # toy train-split tasks the oracle solves for SFT data; 0 = none
     oracle_level: int = Field(1, ge=0, le=3)  # their level (toy.py); 0 = levels 1-3 in turn
     oracle_seed: int = Field(0, ge=0)  # the first toy task index (train and eval tasks never overlap)
     trajectories: list[str] = []  # more trajectory files or folders (e.g. a `kiln bench` out_dir)
@@ -212,9 +243,9 @@ class BenchConfig(Section):
 
 class SpeedrunConfig(Section):
     """`kiln speedrun`'s evaluation of the SFT model (kiln/speedrun.py)."""
-    eval_tasks: int = Field(8, ge=1)  # held-out toy tasks (eval split)
+    eval_tasks: int = Field(64, ge=1)  # held-out toy tasks (eval split)
     eval_level: int = Field(1, ge=0, le=3)  # 0 = levels 1-3 in turn
-    passes: int = Field(1, ge=1)
+    passes: int = Field(4, ge=1)  # mean and best-of-K over K passes
 
 
 class RLConfig(Section):

@@ -18,14 +18,29 @@ CONTROLS = ("oracle", "noop")  # the ceiling and the floor of every suite
 
 
 def train_run_tokenizer(cfg, echo=print) -> str:
-    """<run dir>/tokenizer, trained on the standard library unless a previous run left one."""
+    """<run dir>/tokenizer: the base's when pretraining continues one (pretrain.init), else trained
+    on the standard library, unless a previous run left one."""
+    import shutil
     import sysconfig
 
+    from kiln.config import project_path
+    from kiln.model.checkpoint import TOKENIZER_FILES
     from kiln.model.tokenizer import list_corpus_files, train_tokenizer
 
     out = Path(cfg.run.out_dir, cfg.run.name, "tokenizer")
     if (out / "tokenizer.json").exists():
         echo(f"tokenizer: reusing {out}")
+        return str(out)
+    if cfg.pretrain.init:
+        base = project_path(cfg.pretrain.init)
+        if not (base / "tokenizer.json").is_file():
+            raise FileNotFoundError(f"pretrain.init {cfg.pretrain.init!r}: no tokenizer.json in {base} (a kiln "
+                                    "checkpoint folder holds one)")
+        out.mkdir(parents=True, exist_ok=True)
+        for name in TOKENIZER_FILES:
+            if (base / name).exists():
+                shutil.copyfile(base / name, out / name)
+        echo(f"tokenizer: the base's ({base}) -> {out}")
         return str(out)
     files = list_corpus_files([Path(sysconfig.get_paths()["stdlib"])])
     r = train_tokenizer(files, out, cfg.model.vocab_size, max_bytes=TOKENIZER_MB * 1_000_000)
@@ -60,15 +75,16 @@ def eval_suite(cfg, path: str, echo=print) -> str:
     return path
 
 
-def bench_one(cfg, suite: str, label: str, policy: str, run_dir: Path, checkpoint: str = "", echo=print) -> dict:
-    """One policy on `suite` into <run dir>/bench-<label>; its summary."""
+def bench_one(cfg, suite: str, label: str, policy: str, run_dir: Path, checkpoint: str = "", echo=print,
+              passes: int | None = None) -> dict:
+    """One policy on `suite` into <run dir>/bench-<label> (speedrun.passes passes unless given); its summary."""
     from kiln.bench.run import run_bench
 
     local = cfg.model_copy(deep=True)
     local.policy.checkpoint = checkpoint
     bench_dir = run_dir / f"bench-{label}"
-    s = run_bench(suite, policy, passes=cfg.speedrun.passes, workers=cfg.bench.workers, out_dir=str(bench_dir),
-                  config=local)
+    s = run_bench(suite, policy, passes=passes or cfg.speedrun.passes, workers=cfg.bench.workers,
+                  out_dir=str(bench_dir), config=local)
     rate = s["tool_call_parse_rate"]
     echo(f"bench {label}: correctness {s['correctness_mean']:.3f} over {s['n_rollouts']} rollouts, tool calls "
          f"parsed {'-' if rate is None else f'{rate:.1%}'} -> {bench_dir / 'report.md'}")
@@ -76,9 +92,30 @@ def bench_one(cfg, suite: str, label: str, policy: str, run_dir: Path, checkpoin
 
 
 def bench_all(cfg, suite: str, checkpoint: str, run_dir: Path, echo=print) -> dict:
-    """The SFT model (policy local) and the controls on `suite`; {label: summary}."""
-    return {p: bench_one(cfg, suite, p, p, run_dir, checkpoint if p == "local" else "", echo)
+    """The SFT model (policy local) and the controls on `suite` (one pass each: they are
+    deterministic in outcome); {label: summary}."""
+    return {p: bench_one(cfg, suite, p, p, run_dir, checkpoint if p == "local" else "", echo,
+                         passes=None if p == "local" else 1)
             for p in ("local", *CONTROLS)}
+
+
+def copy_probes(run_dir: Path, corpus: str, checkpoints: dict[str, str], echo=print) -> dict:
+    """The copy probe (kiln/pretrain/copying.py) of each model, code spans from the corpus's
+    held-out text; kept in <run dir>/copy_probe.json so a resumed speedrun does not redo them."""
+    from kiln.pretrain.copying import probe_checkpoint
+
+    path = run_dir / "copy_probe.json"
+    done = json.loads(path.read_text()) if path.exists() else {}
+    heldout = (Path(corpus) / "heldout.txt").read_text(encoding="utf-8")
+    for label, ckpt in checkpoints.items():
+        if label not in done:
+            done[label] = probe_checkpoint(ckpt, heldout)
+            r = done[label]
+            echo(f"copy probe {label}: second copy {r['random']['second']:.2f} nats on random spans "
+                 f"(first {r['random']['first']:.2f}), {r['code']['second']:.2f} on held-out code "
+                 f"(first {r['code']['first']:.2f})")
+            path.write_text(json.dumps(done, indent=1) + "\n")
+    return done
 
 
 def speedrun(cfg, echo=print) -> Path:
@@ -116,6 +153,8 @@ def speedrun(cfg, echo=print) -> Path:
     benches = stage("bench", lambda: bench_all(cfg, suite, tuned["checkpoint"], run_dir, echo))
     rl = stage("rl", lambda: run_rl(cfg, tuned["checkpoint"], str(run_dir / "rl")))
     benches["rl"] = stage("bench rl", lambda: bench_one(cfg, suite, "rl", "local", run_dir, rl["checkpoint"], echo))
-    report = write_report(run_dir, cfg, corpus, pre, len(trajs), tuned, benches, times, rl)
+    probes = stage("copy probes", lambda: copy_probes(run_dir, str(corpus_dir(cfg)), {
+        "pretrained": pre["checkpoint"], "sft": tuned["checkpoint"], "rl": rl["checkpoint"]}, echo))
+    report = write_report(run_dir, cfg, corpus, pre, len(trajs), tuned, benches, times, rl, probes)
     echo(f"speedrun: {sum(times.values()) / 60:.1f} min of stages -> {report}")
     return report

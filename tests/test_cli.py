@@ -1,5 +1,6 @@
 """The `kiln` command: help, --dry-run, config errors, and wiring into the stages."""
 
+import json
 import subprocess
 import sys
 
@@ -48,7 +49,7 @@ TINY_SPEEDRUN = [
     ('pretrain.phases=[{name="bulk", kind="bulk", steps=4, seq_len=64, batch_size=4, lr=3e-3}, '
      '{name="extension", kind="extension", steps=2, seq_len=128, batch_size=2, lr=1e-3, rope_theta=20000.0}, '
      '{name="sft", kind="sft", steps=2, seq_len=2560, batch_size=1, lr=1e-3}]'),
-    "sft.oracle_tasks=2", "speedrun.eval_tasks=1", "harness.max_turns=6", "harness.max_turn_tokens=32",
+    "sft.oracle_tasks=2", "speedrun.eval_tasks=1", "speedrun.passes=1", "harness.max_turns=6", "harness.max_turn_tokens=32",
     "rl.tasks=2", "rl.steps=1", "rl.groups_per_step=1", "rl.group_size=2", "rl.workers=1", "rl.timeout_s=300",
 ]
 
@@ -60,7 +61,8 @@ def test_speedrun_runs_every_stage_and_writes_the_report(tmp_path):
     run = tmp_path / "tiny"
     assert "1 failed" in result.stdout and "1 passed" in result.stdout  # the demo's bug, then its fix
     assert "new sandbox sees the fix: True" in result.stdout
-    assert "tokenizer: vocab 8192" in result.stdout and (run / "tokenizer" / "tokenizer.json").exists()
+    # pretraining continues the committed base (pretrain.init = bases/tiny), with its tokenizer
+    assert "tokenizer: the base's" in result.stdout and (run / "tokenizer" / "tokenizer.json").exists()
     for stage in ("pretrain", "sft"):
         assert (run / stage / "checkpoint" / "model.safetensors").exists()
     assert "bench oracle: correctness 1.000 over 1 rollouts" in result.stdout
@@ -68,11 +70,16 @@ def test_speedrun_runs_every_stage_and_writes_the_report(tmp_path):
     assert "bench local: correctness" in result.stdout and "bench rl: correctness" in result.stdout
     assert (run / "rl" / "checkpoint" / "model.safetensors").exists()
     report = (run / "report.md").read_text()
-    for section in ("## Stages", "## Corpus", "## Pretraining", "## SFT", "## RL", "## Evaluation on held-out toy tasks"):
+    for section in ("## Stages", "## Corpus", "## Pretraining", "## Copying from context", "## SFT", "## RL",
+                    "## Evaluation on held-out toy tasks"):
         assert section in report
+    assert "It continues the base `bases/tiny`" in report and "**RL against SFT.**" in report
+    probes = json.loads((run / "copy_probe.json").read_text())
+    assert set(probes) == {"pretrained", "sft", "rl"}
+    assert probes["pretrained"]["random"]["second"] < 3.0  # the base copies; a few steps cannot undo it
     assert "![held-out loss](pretrain/heldout_loss.png)" in report and (run / "pretrain" / "heldout_loss.png").exists()
     assert "![training loss](training_loss.png)" in report and (run / "training_loss.png").stat().st_size > 0
-    assert "| oracle | 1 | 1.000" in report and "| noop | 1 | 0.000" in report
+    assert "| oracle | 1 x 1 | 1.000 ± 0.000" in report and "| noop | 1 x 1 | 0.000 ± 0.000" in report
     assert "![rl](rl.png)" in report and (run / "rl.png").stat().st_size > 0
 
     again = runner.invoke(app, ["speedrun", f"sandbox.state_dir={tmp_path}", f"run.out_dir={tmp_path}",

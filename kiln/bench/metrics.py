@@ -3,6 +3,8 @@
 Accuracy is averaged per task first (over its passes), then over tasks, so an unfinished run
 does not weigh tasks by how many of their passes happened to finish. Best-of-K uses the
 unbiased pass@k estimator over each task's n passes (Chen et al. 2021): 1 - C(n-c, k) / C(n, k).
+Standard errors are over tasks (the passes of one task are not independent samples):
+stdev of the per-task values / sqrt(tasks).
 """
 from __future__ import annotations
 
@@ -53,13 +55,18 @@ def accuracy(rows: list[dict], passes: int) -> dict:
     if not tasks:
         return {"n_tasks": 0, "rollouts": 0, "correctness_mean": 0.0, "best_of_k": {}}
     means = [statistics.fmean(score(r) for r in rs) for rs in tasks.values()]
-    best = {}
+    best, best_se = {}, {}
     for k in range(1, passes + 1):
         vals = [pass_at_k(len(rs), sum(score(r) >= 1.0 for r in rs), k) for rs in tasks.values() if len(rs) >= k]
         if vals:
-            best[str(k)] = statistics.fmean(vals)
+            best[str(k)], best_se[str(k)] = statistics.fmean(vals), task_se(vals)
     return {"n_tasks": len(tasks), "rollouts": len(rows), "correctness_mean": statistics.fmean(means),
-            "best_of_k": best}
+            "correctness_se": task_se(means), "best_of_k": best, "best_of_k_se": best_se}
+
+
+def task_se(values: list[float]) -> float:
+    """Standard error of the mean of per-task values (0 for fewer than two tasks)."""
+    return statistics.stdev(values) / len(values) ** 0.5 if len(values) > 1 else 0.0
 
 
 def mean_at_k(rows: list[dict], passes: int) -> dict[str, float]:
@@ -92,7 +99,8 @@ def summarize(rows: list[dict], n_tasks: int, passes: int, **extra) -> dict:
         **extra,
         "n_tasks": n_tasks, "passes": passes, "n_rollouts": len(rows), "n_expected": n_tasks * passes,
         "complete": len(rows) >= n_tasks * passes, "tasks_scored": acc["n_tasks"],
-        "correctness_mean": acc["correctness_mean"], "best_of_k": acc["best_of_k"],
+        "correctness_mean": acc["correctness_mean"], "correctness_se": acc["correctness_se"],
+        "best_of_k": acc["best_of_k"], "best_of_k_se": acc["best_of_k_se"],
         "mean_at_k": mean_at_k(rows, passes),
         "pass_means": {str(p): statistics.fmean(score(r) for r in rows if r["pass"] == p)
                        for p in sorted({r["pass"] for r in rows})},
@@ -104,4 +112,12 @@ def summarize(rows: list[dict], n_tasks: int, passes: int, **extra) -> dict:
         "by_difficulty": breakdown(rows, "difficulty", passes),
         "stop_reasons": dict(Counter(r.get("stop_reason", "") for r in rows).most_common()),
         "rollout_s_mean": statistics.fmean(timings) if timings else 0.0,
+        "summarised": summarised(rows),
     }
+
+
+def summarised(rows: list[dict]) -> dict:
+    """Rollouts that self-summarised at least once: how many, and their mean correctness."""
+    hit = [r for r in rows if (r.get("efficiency") or {}).get("summaries", 0) > 0]
+    return {"rollouts": len(hit), "summaries": sum(r["efficiency"]["summaries"] for r in hit),
+            "correctness_mean": statistics.fmean(score(r) for r in hit) if hit else None}

@@ -21,7 +21,7 @@ import zlib
 from collections import Counter
 from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 
-from tqdm import tqdm
+from kiln.progress import tqdm
 
 from kiln.grading import grade
 from kiln.harness.agent import Agent
@@ -167,7 +167,8 @@ def run_bench(suite_dir: str, policy_name: str, passes: int = 1, workers: int = 
     skipped = len(wanted & log.done)
     start, errors, consecutive, aborted = time.monotonic(), 0, 0, ""
     try:  # loaded only when there is work: a resumed run with nothing left needs no model
-        runner = start_engine(config.policy.checkpoint, workers) if policy_name == "local" and todo else None
+        runner = (start_engine(config.policy.checkpoint, workers, config.policy.speculative)
+                  if policy_name == "local" and todo else None)
     except BaseException:
         log.close()
         raise
@@ -226,10 +227,11 @@ def run_bench(suite_dir: str, policy_name: str, passes: int = 1, workers: int = 
     return summary
 
 
-def start_engine(checkpoint: str, max_batch: int):
-    """The checkpoint's model (with its MTP drafter: speculative decoding) and tokenizer in one
-    engine (on the GPU when there is one), batching up to max_batch sequences, on a started
-    EngineRunner; the caller closes it."""
+def start_engine(checkpoint: str, max_batch: int, speculative: bool = False):
+    """The checkpoint's model and tokenizer in one engine (on the GPU when there is one), batching
+    up to max_batch sequences, on a started EngineRunner; the caller closes it. Speculative: with
+    the MTP drafter; otherwise with prefix reuse (2 x max_batch kept sequences), so each turn of a
+    rollout prefills only its new tokens."""
     import torch
 
     from kiln.engine import Engine
@@ -239,11 +241,11 @@ def start_engine(checkpoint: str, max_batch: int):
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     try:
-        model, mtp = load_checkpoint(checkpoint, device=device)
+        model, mtp = load_checkpoint(checkpoint, device=device, with_mtp=speculative)
         tok = load_tokenizer(checkpoint)
     except (ValueError, OSError) as e:  # CheckpointError is a ValueError
         raise BenchError(f"policy.checkpoint {checkpoint!r} cannot be loaded: {e}") from None
-    runner = EngineRunner(Engine(model, tok, mtp, max_batch=max_batch))
+    runner = EngineRunner(Engine(model, tok, mtp, max_batch=max_batch, prefix_slots=0 if mtp else 2 * max_batch))
     runner.start()
     return runner
 

@@ -12,7 +12,7 @@ import traceback
 from concurrent.futures import ThreadPoolExecutor
 
 from .format import FORMAT_SPEC, Call, Reply, openai_tool_calls, parse_reply
-from .prompt import render
+from .prompt import render, summary_request
 from .tools import build_tools
 from .tools.base import ToolContext, ToolError, validate_args
 from .tools.todo import unfinished
@@ -175,12 +175,18 @@ class Agent:
         """The current segment's size in the policy's tokens (+4 per message for the markup)."""
         return sum(self.policy.count_tokens(m.get("content") or "") + 4 for m in self.segment.messages)
 
+    def summary_trigger(self) -> int:
+        """The segment size (tokens) at which the agent summarises: a fraction of the context window
+        (the policy's own when it has one, e.g. a local model's, else harness.context_tokens)."""
+        window = getattr(self.policy, "context_window", None) or self.cfg.context_tokens
+        return int(self.cfg.summary_at * window)
+
     def _maybe_summarise(self) -> None:
-        if self.context_tokens() < self.cfg.summary_trigger_tokens:
+        if self.context_tokens() < self.summary_trigger():
             return
         if len(self.traj.segments) - 1 >= self.cfg.max_summaries:
             raise Stop("max_summaries")
-        self._append({"role": "user", "content": render("summarize", max_words=300)})
+        self._append({"role": "user", "content": summary_request()})
         rec = self._generate("summary")
         summary = parse_reply(rec.text).content or rec.text.strip()
         self._append({"role": "assistant", "content": summary})

@@ -21,3 +21,11 @@ def _env() -> jinja2.Environment:
 def render(name: str, **variables) -> str:
     """Render `prompts/<name>.j2`; raises jinja2.UndefinedError if a variable is missing."""
     return _env().get_template(f"{name}.j2").render(**variables).strip()
+
+
+SUMMARY_WORDS = 300  # the self-summary's length limit, as the request states it
+
+
+def summary_request() -> str:
+    """The user message that asks the model for its self-summary."""
+    return render("summarize", max_words=SUMMARY_WORDS)

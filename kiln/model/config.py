@@ -59,7 +59,8 @@ class ModelConfig:
     def from_section(cls, m) -> ModelConfig:
         """From the config tree's [model] section (kiln.config.ModelSection)."""
         return cls.from_depth(m.depth, vocab_size=m.vocab_size, num_experts=m.experts,
-                              num_experts_per_tok=m.top_k, max_position_embeddings=m.context)
+                              num_experts_per_tok=m.top_k, max_position_embeddings=m.context,
+                              tie_word_embeddings=m.tie_embeddings)
 
     def __post_init__(self) -> None:
         if self.num_attention_heads % self.num_key_value_heads:

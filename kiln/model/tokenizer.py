@@ -104,7 +104,7 @@ def iter_corpus(files: Iterable[Path], max_bytes: int | None = DEFAULT_MAX_BYTES
     stats = stats if stats is not None else CorpusStats()
     bar = None
     if progress:
-        from tqdm import tqdm
+        from kiln.progress import tqdm
         total = min(budget, sum(p.stat().st_size for p in files if p.is_file()))
         bar = tqdm(total=total, unit="B", unit_scale=True, desc="reading corpus", leave=False)
     try:

@@ -61,6 +61,11 @@ class LocalPolicy:
         tok = load_tokenizer(path)
         return cls(Engine(model, tok, mtp=mtp, max_batch=1, max_len=max_len), tok, params)
 
+    @property
+    def context_window(self) -> int:
+        """The engine's context (tokens): the harness summarises at a fraction of it."""
+        return self.engine.max_len
+
     def count_tokens(self, text: str) -> int:
         return len(self.tok.encode(text))
 

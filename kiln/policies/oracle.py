@@ -14,6 +14,7 @@ import random
 import re
 
 from kiln.harness.format import Call, render_call
+from kiln.harness.prompt import summary_request
 from kiln.harness.trajectory import TurnRecord
 from kiln.tasks.patch import FilePatch, parse_patch
 
@@ -46,6 +47,7 @@ class OraclePolicy(ApproxTokens):
         self.use_todo = self.rng.random() < 0.5
         self.test_first = bool(test_command) and self.rng.random() < 0.3
         self.phase = "start"
+        self.task = ""
         self.offered: set[str] = set()
 
     def _say(self, options: list[str], calls: list[Call], **kw) -> TurnRecord:
@@ -54,8 +56,12 @@ class OraclePolicy(ApproxTokens):
         return TurnRecord(text=text)
 
     def _absorb_reads(self, messages: list[dict]) -> None:
-        """Parse the numbered lines of the read_file results since our last turn."""
-        last = max(i for i, m in enumerate(messages) if m["role"] == "assistant")
+        """Parse the numbered lines of the read_file results since our last turn (none in a segment
+        that a self-summary started: they were absorbed when the summary was written)."""
+        turns = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
+        if not turns:
+            return
+        last = turns[-1]
         calls = {c["id"]: json.loads(c["function"]["arguments"]) for c in messages[last].get("tool_calls", [])
                  if c["function"]["name"] == "read_file"}
         for m in messages[last + 1:]:
@@ -76,7 +82,11 @@ class OraclePolicy(ApproxTokens):
         return Call("", "read_file", {"path": path, "offset": offset, "limit": _PAGE})
 
     def generate(self, messages: list[dict], tools: list[dict], max_tokens: int) -> TurnRecord:
+        if messages[-1]["role"] == "user" and messages[-1]["content"] == summary_request():
+            return self._summary(messages)
         offered = self.offered = {t["function"]["name"] for t in tools}
+        if self.phase == "start":
+            self.task = next((m["content"] for m in messages if m["role"] == "user"), "").strip()
         self.use_todo = self.use_todo and "todo" in offered
         if self.phase == "start":
             symbol = _SYMBOL.search(next((m["content"] for m in messages if m["role"] == "user"), "") or "")
@@ -114,6 +124,26 @@ class OraclePolicy(ApproxTokens):
             return self._say(["Everything on the plan is done."], [Call("", "todo", {"items": items})])
         self.phase = "done"
         return self._say(_DONE, [], what=", ".join(sorted(f.path for f in self.files)))
+
+    def _summary(self, messages: list[dict]) -> TurnRecord:
+        """A self-summary that carries what the next segment needs: the files, the exact lines
+        still to change (a fresh context has no read results to copy them from), and what is next."""
+        if self.phase == "read":
+            self._absorb_reads(messages)
+        parts = [f"Task: {self.task}"]
+        if self.phase in ("start", "located"):
+            parts.append("I searched for where it is defined. Next: read " +
+                         ", ".join(f"`{f.path}`" for f in self.files) + ".")
+        elif self.phase == "read":
+            for f in self.files:
+                hunks = "".join(_trim(h.old_text, h.new_text)[0] for h in f.hunks)
+                parts.append(f"I read `{f.path}`. The lines to change:\n```\n{hunks}```" if hunks.strip()
+                             else f"`{f.path}` is to be written.")
+            parts.append("Next: edit them, then run the tests.")
+        else:
+            parts.append("I edited " + ", ".join(f"`{f.path}`" for f in self.files) + ".")
+            parts.append("Next: run the tests, then finish." if self.phase == "edit" else "The tests pass. Next: finish.")
+        return TurnRecord(text="\n".join(parts))
 
     def _file_calls(self, f: FilePatch) -> list[Call]:
         if f.new_path is None:

@@ -31,7 +31,7 @@ from html.parser import HTMLParser
 from pathlib import Path
 
 import numpy as np
-from tqdm import tqdm
+from kiln.progress import tqdm
 
 import kiln
 from kiln.model.tokenizer import SPECIAL_TOKENS
@@ -248,10 +248,15 @@ def _write_atomic(path: Path, data: bytes) -> None:
     os.replace(tmp, path)
 
 
-def _write_heldout(project: Path, out_dir: Path) -> tuple[dict, set[bytes]]:
+def heldout_texts(project: Path) -> list[tuple[str, str]]:
+    """(relative path, text) of the held-out project's files, in alphabetical order of their paths."""
     files, _ = _walk(project, HELDOUT_SUFFIXES, is_project=True)
     texts = [(p.relative_to(project).as_posix(), _read(p, 1 << 30)) for p in files]
-    texts = sorted((rel, t) for rel, t in texts if t is not None)
+    return sorted((rel, t) for rel, t in texts if t is not None)
+
+
+def _write_heldout(project: Path, out_dir: Path) -> tuple[dict, set[bytes]]:
+    texts = heldout_texts(project)
     data = "\n".join(t for _, t in texts).encode("utf-8")
     _write_atomic(out_dir / "heldout.txt", data)
     info = {"project": str(project), "files": len(texts), "bytes": len(data), "path": "heldout.txt"}

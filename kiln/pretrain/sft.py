@@ -8,7 +8,7 @@ import hashlib
 import json
 from pathlib import Path
 
-from tqdm import tqdm
+from kiln.progress import tqdm
 
 from kiln.model.tokenizer import load_tokenizer
 from kiln.pretrain import checkpointing as ckpt

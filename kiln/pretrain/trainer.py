@@ -31,14 +31,16 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from tqdm import tqdm
+from kiln.progress import tqdm
 
+from kiln.config import project_path
 from kiln.model.checkpoint import load_checkpoint, save_checkpoint
 from kiln.model.config import ModelConfig
 from kiln.model.moe import MoeForCausalLM
 from kiln.model.mtp import MTP, mtp_loss
 from kiln.model.tokenizer import load_tokenizer
 from kiln.pretrain import checkpointing as ckpt
+from kiln.pretrain.copying import copy_probe, copy_rows
 from kiln.pretrain.data import TokenShards, doc_ids
 from kiln.pretrain.heldout import (
     fit_log_linear,
@@ -49,7 +51,8 @@ from kiln.pretrain.heldout import (
 from kiln.pretrain.schedule import lr_at
 
 # Changing these between a run and its resume does not change the training itself.
-_RESUMABLE_EDITS = {"eval_points", "eval_window", "eval_stride", "eval_max_bytes", "checkpoint_every", "device"}
+HISTORY = "history.json"  # beside a final checkpoint's weights: see read_history
+_RESUMABLE_EDITS = {"publish", "init", "eval_points", "eval_window", "eval_stride", "eval_max_bytes", "checkpoint_every", "device"}
 
 
 class PretrainError(ValueError):
@@ -78,6 +81,7 @@ class Run:
 def pretrain(cfg, corpus_dir, tokenizer_dir, run_dir, init: str | None = None, progress: bool = True) -> dict:
     """Run (or resume) the phases of cfg.pretrain; returns the summary also written to summary.json."""
     p, run_dir, tokenizer_dir = cfg.pretrain, Path(run_dir), Path(tokenizer_dir)
+    init = str(project_path(init or p.init)) if (init or p.init) else None
     phases = [ph for ph in p.phases if ph.kind != "sft"]
     if not phases:
         raise PretrainError("pretrain.phases has no bulk or extension phase to run (sft phases run with `kiln sft`)")
@@ -115,13 +119,18 @@ def pretrain(cfg, corpus_dir, tokenizer_dir, run_dir, init: str | None = None, p
         run.tick()
         ckpt.save_state(run_dir, run.model, run.mtp, tokenizer_dir, _trainer_state(run, fingerprint))
 
+    heldout_ids = tok.encode(heldout) if heldout else None
+
     def evaluate(phase: str) -> None:
-        r = heldout_eval(run.model, tok, heldout, p.eval_window, p.eval_stride, endoftext_id=tok.endoftext_id)
+        r = heldout_eval(run.model, heldout_ids, heldout, p.eval_window, p.eval_stride, endoftext_id=tok.endoftext_id)
+        probe = copy_probe(run.model, heldout_ids, tok.vocab_size, endoftext_id=tok.endoftext_id, seed=p.seed)
         run.tick()
         metrics.append({"kind": "eval", "step": run.step, "phase": phase, "tokens_seen": run.tokens_seen,
-                        **r, "wall": round(run.wall, 3)})
+                        **r, "copy": probe, "wall": round(run.wall, 3)})
         tqdm.write(f"eval @ step {run.step} ({run.tokens_seen:,} tokens): held-out loss {r['nll_per_token']:.4f} "
-                   f"nats/token, {r['bits_per_byte']:.4f} bits/byte")
+                   f"nats/token, {r['bits_per_byte']:.4f} bits/byte; copy probe (second vs first copy, nats): "
+                   f"random {probe['random']['second']:.2f} vs {probe['random']['first']:.2f}, "
+                   f"code {probe['code']['second']:.2f} vs {probe['code']['first']:.2f}")
 
     bar = tqdm(total=total, initial=run.step, desc="pretrain", unit="step", disable=not progress, dynamic_ncols=True)
     with bar:
@@ -146,7 +155,8 @@ def pretrain(cfg, corpus_dir, tokenizer_dir, run_dir, init: str | None = None, p
                     evaluate(ph.name)
                 if run.step % p.checkpoint_every == 0 or run.step == end:
                     save()
-    return _finish(run, run_dir, tokenizer_dir, metrics, [ph.name for ph in phases])
+    return _finish(run, run_dir, tokenizer_dir, metrics, [ph.name for ph in phases], base=read_history(init),
+                   publish=str(project_path(p.publish)) if p.publish else None)
 
 
 def _device(p) -> tuple[torch.device, contextlib.AbstractContextManager]:
@@ -259,10 +269,16 @@ def _attach_mtp(run: Run, depth: int, p, device: torch.device) -> None:
 
 
 def _windows(shards: TokenShards, step: int, ph, seed: int) -> tuple:
-    """A pretraining batch: corpus windows, documents split at every <|endoftext|>, every token a target."""
-    ids = shards.batch(step, ph.batch_size, ph.seq_len, seed)
+    """A pretraining batch: corpus windows, documents split at every <|endoftext|>, every token a
+    target; with ph.copy_frac, that share of the rows is copy practice (loss on second copies)."""
+    n_copy = round(ph.batch_size * ph.copy_frac)
+    ids, mask = shards.batch(step, ph.batch_size - n_copy, ph.seq_len, seed), None
+    if n_copy:
+        practice, practice_mask = copy_rows(shards, step, n_copy, ph.seq_len, seed, shards.meta["vocab_size"],
+                                            endoftext_id=shards.endoftext_id)
+        ids, mask = torch.cat([ids, practice]), torch.cat([torch.ones_like(ids), practice_mask])
     docs, pos = doc_ids(ids, shards.endoftext_id)
-    return ids, docs, pos, None
+    return ids, docs, pos, mask
 
 
 def _train_step(run: Run, ph, start: int, p, make_batch, train_mtp: bool, device, autocast,
@@ -339,13 +355,35 @@ def unpacked(positions: torch.Tensor, docs: torch.Tensor):
     return positions, docs
 
 
+def read_history(checkpoint: str | None) -> dict | None:
+    """The pretraining history a checkpoint carries (history.json: tokens seen and held-out
+    evaluations, over every run it continues), or None."""
+    path = Path(checkpoint) / HISTORY if checkpoint else None
+    return json.loads(path.read_text()) if path and path.is_file() else None
+
+
 def _finish(run: Run, run_dir: Path, tokenizer_dir: Path, metrics: ckpt.MetricsLog, phases: list[str],
-            what: str = "pretrain") -> dict:
-    """The final checkpoint, the fit of held-out loss against ln(tokens), its plot, summary.json."""
-    final = ckpt.write_dir_atomically(run_dir / "checkpoint", lambda d: save_checkpoint(run.model, d, mtp=run.mtp,
-                                                                                  tokenizer_dir=tokenizer_dir))
+            what: str = "pretrain", base: dict | None = None, publish: str | None = None) -> dict:
+    """The final checkpoint with its history, the fit of held-out loss against ln(tokens), its plot,
+    summary.json. A run that continues a base with a history fits the base's evaluations and its own
+    together, its tokens counted on top of the base's: one curve of continued pretraining."""
     rows = metrics.rows()
-    evals = list({r["step"]: r for r in rows if r["kind"] == "eval"}.values())
+    own = list({r["step"]: r for r in rows if r["kind"] == "eval"}.values())
+    offset = base["tokens_seen"] if base else 0
+    evals = (base["evals"] if base else []) + [
+        {**{k: r.get(k) for k in ("step", "phase", "nll_per_token", "bits_per_byte", "copy")},
+         "tokens_seen": r["tokens_seen"] + offset} for r in own]
+    history = {"tokens_seen": offset + run.tokens_seen, "steps": (base["steps"] if base else 0) + run.step,
+               "evals": evals}
+
+    def write(d: Path, dtype=None) -> None:
+        save_checkpoint(run.model, d, mtp=run.mtp, tokenizer_dir=tokenizer_dir, dtype=dtype)
+        if what == "pretrain":  # fine-tuning is not pretraining: an SFT model carries no history
+            (d / HISTORY).write_text(json.dumps(history) + "\n")
+    final = ckpt.write_dir_atomically(run_dir / "checkpoint", write)
+    if publish:
+        ckpt.write_dir_atomically(Path(publish), lambda d: write(d, torch.bfloat16))
+        tqdm.write(f"published (bf16) -> {publish}")
     train = [r for r in rows if r["kind"] == "train"]
     fit = plot = None
     if len({r["tokens_seen"] for r in evals}) >= 2:
@@ -357,7 +395,8 @@ def _finish(run: Run, run_dir: Path, tokenizer_dir: Path, metrics: ckpt.MetricsL
                "tokens_per_s": round(run.tokens_seen / run.train_s, 1) if run.train_s else None,
                "final_loss": train[-1]["loss"] if train else None, "final_eval": evals[-1] if evals else None,
                "fit": dict(zip(("slope", "intercept", "r2"), fit)) if fit else None, "mtp": run.mtp is not None,
-               "checkpoint": str(final), "metrics": str(metrics.path), "plot": plot}
+               "checkpoint": str(final), "metrics": str(metrics.path), "plot": plot, "evals": evals,
+               "base_tokens": offset}
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     tqdm.write(f"{what}: {run.step} steps, {run.tokens_seen:,} tokens in {run.wall:.0f} s -> {final}")
     return summary

@@ -177,7 +177,7 @@ def run_candidates(candidates, handle, y: Yield, workers: int = 2, max_tasks: in
     kept: list[tuple[int, Task]] = []
     bar = None
     if progress:
-        from tqdm import tqdm
+        from kiln.progress import tqdm
         bar = tqdm(desc=desc or y.generator, unit="task", total=max_tasks, leave=False)
 
     def worker() -> None:

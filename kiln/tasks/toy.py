@@ -217,7 +217,7 @@ def generate_toy(out_dir: str, n: int, seed: int = 0, level: int | None = None, 
     staging = os.path.join(out_dir, ".toy-staging")  # no task.toml at its top: load_suite skips it
     os.makedirs(staging, exist_ok=True)
     y, index, max_candidates = Yield("toy"), seed, 2 * n + 10
-    from tqdm import tqdm
+    from kiln.progress import tqdm
     try:
         with ThreadPoolExecutor(max(1, workers)) as pool, \
                 tqdm(total=n, desc="toy", unit="task", disable=not progress, leave=False) as bar:

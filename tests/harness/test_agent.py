@@ -145,7 +145,7 @@ def test_self_summary_chains_segments(hbox):
         return call("todo", items=[{"content": "fix add", "status": "in_progress"}]) + call(
             "run_shell", command=f"echo {filler}")
     policy = ScriptedPolicy(step)
-    c = cfg(summary_trigger_tokens=600, max_summaries=2, max_turns=30)
+    c = cfg(context_tokens=1000, summary_at=0.6, max_summaries=2, max_turns=30)  # summarise at 600 tokens
     traj = Agent(policy, hbox, c).run("Fix add.")
     assert traj.stop_reason == "max_summaries"
     assert len(traj.segments) == 3
@@ -166,3 +166,11 @@ def test_trajectory_json_round_trip_keeps_token_data(hbox):
     back = Trajectory.from_json(traj.to_json())
     assert back == traj and back.turns[0].logprobs == [-0.125, -2.5e-7]
     assert back.version_span() == (3, 4)
+
+
+def test_summary_trigger_is_a_fraction_of_the_policys_context(hbox):
+    policy = ScriptedPolicy(["done"])
+    c = cfg(context_tokens=100_000, summary_at=0.5)
+    assert Agent(policy, hbox, c).summary_trigger() == 50_000  # a policy without a window: the config's
+    policy.context_window = 4096  # a local model's engine: its own window wins
+    assert Agent(policy, hbox, c).summary_trigger() == 2048

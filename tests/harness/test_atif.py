@@ -59,7 +59,7 @@ def test_trajectory_exports_to_atif(hbox):
 
 
 def test_self_summary_segments_are_marked(hbox):
-    cfg = HarnessConfig(tools=["run_shell"], summary_trigger_tokens=256)
+    cfg = HarnessConfig(tools=["run_shell"], context_tokens=512, summary_at=0.5)
     policy = ScriptedPolicy([call("run_shell", command="seq 1 400"), "Summary: printed numbers.", "done"])
     traj = Agent(policy, hbox, cfg).run("Print numbers.")
     assert len(traj.segments) == 2

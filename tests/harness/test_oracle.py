@@ -81,3 +81,22 @@ def test_oracle_pages_through_a_file_longer_than_one_read(scfg, tmp_path):
         assert sb.exec(test).exit_code == 0
     offsets = [t.arguments["offset"] for t in traj.tools if t.name == "read_file"]
     assert offsets == [1, 201, 401]
+
+
+def test_oracle_self_summarises_and_still_solves(repos, hstate, scfg):
+    """A small context (summaries at 1,200 tokens; the system prompt alone is ~870) makes the agent
+    ask for a summary mid-task: the oracle's summary says what is done and what is next (the lines
+    still to change, when it has read but not edited), and it finishes from the fresh segment."""
+    cfg = HarnessConfig(tools=["read_file", "edit_file", "run_shell"], context_tokens=2400, summary_at=0.5)
+    summarised = 0
+    for i, r in enumerate(repos[:6]):
+        base = Snapshot.from_dir(r["path"], hstate)
+        with create(base, scfg) as sb:
+            traj = Agent(OraclePolicy(r["patch"], r["test"], seed=i), sb, cfg).run(r["prompt"])
+            assert traj.stop_reason == "finished", traj.messages[-3:]
+            assert sb.exec(r["test"]).exit_code == 0
+            summarised += len(traj.segments) > 1
+            for seg in traj.segments[:-1]:
+                assert seg.turns[-1].kind == "summary" and seg.summary.startswith("Task: ")
+                assert r["prompt"] in seg.summary
+    assert summarised >= 3

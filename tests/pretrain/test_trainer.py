@@ -40,7 +40,7 @@ BULK, TOTAL = 20, 24
 
 
 def tiny_cfg(*overrides: str):
-    return load_config(None, ["model.depth=1", "model.vocab_size=512", "model.context=256", f"pretrain.phases={PHASES}",
+    return load_config(None, ["pretrain.init=", "model.depth=1", "model.vocab_size=512", "model.context=256", f"pretrain.phases={PHASES}",
                               "pretrain.eval_points=3", "pretrain.eval_window=32", "pretrain.eval_stride=16",
                               "pretrain.eval_max_bytes=3000", "pretrain.checkpoint_every=3", "pretrain.device=cpu",
                               *overrides])
@@ -297,3 +297,24 @@ def test_sigkilled_cli_run_resumes_on_the_same_data_and_losses(data, tmp_path):
     a, b = load_checkpoint(tmp_path / "ref" / "checkpoint")[0], load_checkpoint(run / "checkpoint")[0]
     assert all(torch.equal(x, y) for x, y in zip(a.state_dict().values(), b.state_dict().values()))
     assert json.loads((run / "summary.json").read_text())["steps"] == ref["steps"]
+
+
+def test_copy_practice_history_publish_and_continuation(data, tmp_path):
+    """A tied base with copy practice publishes (bf16) with its history; a run continuing it counts
+    its tokens on top of the base's and fits the held-out loss over both runs' evaluations."""
+    pub = tmp_path / "bases" / "b"
+    bulk = '[{name="bulk", kind="bulk", steps=6, seq_len=32, batch_size=8, lr=0.02, copy_frac=0.5}]'
+    base = pretrain(tiny_cfg(f"pretrain.phases={bulk}", f"pretrain.publish={pub}", "model.tie_embeddings=true",
+                             "model.mtp_depth=0"), *data, tmp_path / "base", progress=False)
+    evals = [r for r in _rows(tmp_path / "base") if r["kind"] == "eval"]
+    assert evals and all(r["copy"]["random"]["second"] > 0 and "code" in r["copy"] for r in evals)
+    history = json.loads((pub / "history.json").read_text())
+    assert history["tokens_seen"] == base["tokens_seen"] and len(history["evals"]) == len(evals)
+    assert json.loads((pub / "config.json").read_text())["dtype"] == "bfloat16"
+    model, _ = load_checkpoint(pub)
+    assert model.config.tie_word_embeddings and model.lm_head.weight is model.model.embed_tokens.weight
+    cont = pretrain(tiny_cfg(f"pretrain.init={pub}"), *data, tmp_path / "cpt", progress=False)
+    assert cont["base_tokens"] == base["tokens_seen"]
+    assert cont["evals"][:len(evals)] == history["evals"]
+    assert cont["evals"][-1]["tokens_seen"] == base["tokens_seen"] + cont["tokens_seen"]
+    assert json.loads((Path(cont["checkpoint"]) / "history.json").read_text())["evals"] == cont["evals"]
