@@ -71,9 +71,12 @@ class HarnessConfig(Section):
     tools: list[ToolName] = ["read_file", "edit_file", "run_shell"]
     strict_args: bool = False  # strict: extra or mistyped arguments are errors; lenient: coerced / ignored
     require_read_before_edit: bool = True
-    max_turns: int = Field(50, ge=1)
+    max_turns: int = Field(12, ge=1)
+    # A rollout whose last max_repeats turns made the same failing calls (same tools, same arguments)
+    # ends with stop reason "looping": the error it keeps getting has not changed what it does.
+    max_repeats: int = Field(3, ge=1)
     max_tokens: int = Field(200_000, ge=1)  # generated tokens over the whole rollout
-    max_turn_tokens: int = Field(1024, ge=1)  # one reply; a cut-off reply is reported to the model
+    max_turn_tokens: int = Field(512, ge=1)  # one reply; a cut-off reply is reported to the model
     wall_time_s: float = Field(1800.0, gt=0)
     tool_output_chars: int = Field(16_000, ge=256)  # per observation, head + tail
     read_max_lines: int = Field(400, ge=1)  # read_file default page

@@ -53,7 +53,8 @@ def accuracy(rows: list[dict], passes: int) -> dict:
     """Mean accuracy and best-of-K (K = 1..passes) over the tasks in `rows`."""
     tasks = by_task(rows)
     if not tasks:
-        return {"n_tasks": 0, "rollouts": 0, "correctness_mean": 0.0, "best_of_k": {}}
+        return {"n_tasks": 0, "rollouts": 0, "correctness_mean": 0.0, "correctness_se": 0.0, "best_of_k": {},
+                "best_of_k_se": {}}
     means = [statistics.fmean(score(r) for r in rs) for rs in tasks.values()]
     best, best_se = {}, {}
     for k in range(1, passes + 1):

@@ -7,6 +7,7 @@ context passes the trigger, the model summarises and a new segment starts from t
 """
 from __future__ import annotations
 
+import json
 import time
 import traceback
 from concurrent.futures import ThreadPoolExecutor
@@ -143,6 +144,17 @@ class Agent:
             self._append({"role": "tool", "tool_call_id": call.id, "name": call.name, "content": text})
             self.traj.tools.append(ToolRecord(turn, call.id, call.name, call.arguments, ok, took, len(text)))
             self.traj.effort.tool_output_tokens += self.policy.count_tokens(text)
+        self._check_looping()
+
+    def _check_looping(self) -> None:
+        """Stop when each of the last max_repeats turns made the same calls, and they all failed."""
+        n, by_turn = self.cfg.max_repeats, {}
+        for t in self.traj.tools:
+            by_turn.setdefault(t.turn, []).append(t)
+        last = list(by_turn.values())[-n:]
+        calls = {tuple(sorted((t.name, json.dumps(t.arguments, sort_keys=True)) for t in ts)) for ts in last}
+        if len(last) == n and len(calls) == 1 and not any(t.ok for ts in last for t in ts):
+            raise Stop("looping")
 
     def _read_only(self, call: Call) -> bool:
         tool = self.tools.get(call.name)

@@ -70,7 +70,7 @@ class Trajectory:
     effort: Effort = field(default_factory=Effort)
     diff: dict | None = None  # {"patch", "added", "removed", "files"} of the final sandbox
     rewards: dict[str, float] = field(default_factory=dict)
-    stop_reason: str = ""  # finished | max_turns | max_tokens | wall_time | max_summaries | error
+    stop_reason: str = ""  # finished | max_turns | max_tokens | wall_time | max_summaries | looping | context | error
     unfinished_todos: list[dict] = field(default_factory=list)
     metadata: dict = field(default_factory=dict)
     schema_version: int = SCHEMA_VERSION

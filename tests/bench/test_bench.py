@@ -189,3 +189,16 @@ def test_summary_of_mixed_rows():
     for r in rows:
         r["efficiency"] = {"tool_calls": 0, "malformed_calls": 0}  # noop: no block written at all
     assert summarize(rows, n_tasks=3, passes=3)["tool_call_parse_rate"] is None
+
+
+def test_standard_errors_are_over_tasks_and_summaries_are_counted():
+    def row(task, p, ok, summaries=0):
+        return {"task_id": task, "pass": p, "correctness": {"score": float(ok)},
+                "efficiency": {"summaries": summaries}}
+    # task a always solved, b never: per-task means 1 and 0 -> s.e. = stdev([1, 0]) / sqrt(2) = 0.5
+    rows = [row("a", p, 1) for p in range(4)] + [row("b", p, 0, summaries=p % 2) for p in range(4)]
+    s = summarize(rows, n_tasks=2, passes=4)
+    assert s["correctness_mean"] == 0.5 and abs(s["correctness_se"] - 0.5) < 1e-12
+    assert s["best_of_k"]["4"] == 0.5 and abs(s["best_of_k_se"]["4"] - 0.5) < 1e-12
+    assert s["summarised"] == {"rollouts": 2, "summaries": 2, "correctness_mean": 0.0}
+    assert summarize([], n_tasks=2, passes=4)["correctness_se"] == 0.0

@@ -174,3 +174,16 @@ def test_summary_trigger_is_a_fraction_of_the_policys_context(hbox):
     assert Agent(policy, hbox, c).summary_trigger() == 50_000  # a policy without a window: the config's
     policy.context_window = 4096  # a local model's engine: its own window wins
     assert Agent(policy, hbox, c).summary_trigger() == 2048
+
+
+def test_a_rollout_repeating_one_failing_call_stops_as_looping(hbox):
+    bad = call("read_file", path="no/such/file.py")
+    traj = Agent(ScriptedPolicy([bad] * 10), hbox, cfg(max_repeats=3)).run("Read it.")
+    assert traj.stop_reason == "looping" and len(traj.tools) == 3 and not any(t.ok for t in traj.tools)
+    # a call that succeeds, a different failing one, or repeats within one turn are not a loop
+    once = Agent(ScriptedPolicy([bad + bad + bad, "done"]), hbox, cfg(max_repeats=3)).run("Read it.")
+    assert once.stop_reason == "finished" and len(once.tools) == 3
+    ok = call("run_shell", command="echo hi")
+    mixed = [bad, bad, ok, bad, bad, call("read_file", path="other.py"), bad, "done"]
+    traj = Agent(ScriptedPolicy(mixed), hbox, cfg(max_repeats=3)).run("Read it.")
+    assert traj.stop_reason == "finished"
