@@ -178,7 +178,8 @@ class PretrainConfig(Section):
     """`kiln pretrain` (kiln/pretrain/trainer.py). Each phase runs its own schedule: warmup to its lr,
     then cosine or WSD (warmup-stable-decay) down to min_lr_ratio x lr at its last step, as a phase
     of continued pretraining restarts from the previous one's weights and optimizer moments. The
-    tiny phases take about 6.5 minutes on 2 cores (bulk ~2,600 tokens/s, extension with MTP ~1,250);
+    tiny phases (continuing bases/tiny) take about 4 minutes on 2 cores (bulk ~3,600 tokens/s,
+    extension with MTP ~1,450);
     SFT phases are `kiln sft`'s (agent trajectories, from the pretrained checkpoint; the tiny one
     takes about 8 minutes)."""
     phases: list[PhaseConfig] = [

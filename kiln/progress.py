@@ -18,7 +18,7 @@ class LineBar(_tqdm):
     """A tqdm bar that prints whole lines, rate-limited, never redraws."""
 
     def __init__(self, *args, every: float | None = None, **kw):
-        self._every = float(os.environ.get("KILN_PROGRESS_EVERY", 30.0)) if every is None else every
+        self._every = float(os.environ.get("KILN_PROGRESS_EVERY", "30")) if every is None else every
         self._printed, self._final = -float("inf"), False
         super().__init__(*args, **kw)
 

@@ -20,11 +20,10 @@ CONTROLS = ("oracle", "noop")  # the ceiling and the floor of every suite
 def train_run_tokenizer(cfg, echo=print) -> str:
     """<run dir>/tokenizer: the base's when pretraining continues one (pretrain.init), else trained
     on the standard library, unless a previous run left one."""
-    import shutil
     import sysconfig
 
     from kiln.config import project_path
-    from kiln.model.checkpoint import TOKENIZER_FILES
+    from kiln.model.checkpoint import copy_tokenizer
     from kiln.model.tokenizer import list_corpus_files, train_tokenizer
 
     out = Path(cfg.run.out_dir, cfg.run.name, "tokenizer")
@@ -36,10 +35,7 @@ def train_run_tokenizer(cfg, echo=print) -> str:
         if not (base / "tokenizer.json").is_file():
             raise FileNotFoundError(f"pretrain.init {cfg.pretrain.init!r}: no tokenizer.json in {base} (a kiln "
                                     "checkpoint folder holds one)")
-        out.mkdir(parents=True, exist_ok=True)
-        for name in TOKENIZER_FILES:
-            if (base / name).exists():
-                shutil.copyfile(base / name, out / name)
+        copy_tokenizer(base, out)
         echo(f"tokenizer: the base's ({base}) -> {out}")
         return str(out)
     files = list_corpus_files([Path(sysconfig.get_paths()["stdlib"])])

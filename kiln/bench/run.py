@@ -21,10 +21,9 @@ import zlib
 from collections import Counter
 from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 
-from kiln.progress import tqdm
-
 from kiln.grading import grade
 from kiln.harness.agent import Agent
+from kiln.progress import tqdm
 from kiln.sandbox import Snapshot, create
 from kiln.tasks.record import Task, load_suite
 

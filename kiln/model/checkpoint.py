@@ -84,11 +84,18 @@ def save_checkpoint(model: MoeForCausalLM, out_dir: str | Path, mtp: torch.nn.Mo
         meta = {"format": "pt", "depth": str(len(mtp.layers))}
         _atomic(out / MTP_WEIGHTS, lambda p: save_file(split_experts(mstate), str(p), metadata=meta))
     if tokenizer_dir is not None:
-        for name in TOKENIZER_FILES:
-            src = Path(tokenizer_dir) / name
-            if src.exists() and src.resolve() != (out / name).resolve():
-                shutil.copyfile(src, out / name)
+        copy_tokenizer(tokenizer_dir, out)
     return out
+
+
+def copy_tokenizer(src_dir: str | Path, out_dir: str | Path) -> None:
+    """Copy the tokenizer files that exist in src_dir into out_dir (created if missing)."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    for name in TOKENIZER_FILES:
+        src = Path(src_dir) / name
+        if src.exists() and src.resolve() != (out / name).resolve():
+            shutil.copyfile(src, out / name)
 
 
 def _atomic(path: Path, write) -> None:

@@ -31,11 +31,11 @@ from html.parser import HTMLParser
 from pathlib import Path
 
 import numpy as np
-from kiln.progress import tqdm
 
 import kiln
 from kiln.model.tokenizer import SPECIAL_TOKENS
 from kiln.pretrain.dedup import NearDupIndex, content_hash
+from kiln.progress import tqdm
 
 CODE_SUFFIXES = frozenset({".py"})  # the standard library and site-packages
 EXTRA_SUFFIXES = frozenset({".py", ".pyi", ".c", ".h", ".cc", ".cpp", ".hpp", ".rs", ".go", ".java", ".js",

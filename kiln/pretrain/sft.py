@@ -8,8 +8,6 @@ import hashlib
 import json
 from pathlib import Path
 
-from kiln.progress import tqdm
-
 from kiln.model.tokenizer import load_tokenizer
 from kiln.pretrain import checkpointing as ckpt
 from kiln.pretrain.sft_data import batch_rows, load_trajectories, pack, samples_from
@@ -23,6 +21,7 @@ from kiln.pretrain.trainer import (
     _train_step,
     _trainer_state,
 )
+from kiln.progress import tqdm
 
 
 def sft(cfg, checkpoint, trajectories, run_dir, progress: bool = True) -> dict:

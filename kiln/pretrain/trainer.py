@@ -31,7 +31,6 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from kiln.progress import tqdm
 
 from kiln.config import project_path
 from kiln.model.checkpoint import load_checkpoint, save_checkpoint
@@ -49,6 +48,7 @@ from kiln.pretrain.heldout import (
     plot_heldout,
 )
 from kiln.pretrain.schedule import lr_at
+from kiln.progress import tqdm
 
 # Changing these between a run and its resume does not change the training itself.
 HISTORY = "history.json"  # beside a final checkpoint's weights: see read_history

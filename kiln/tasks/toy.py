@@ -27,7 +27,6 @@ from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass
 from string import Template
 
-
 from .patch import gold_stats, make_patch
 from .pyedit import parse
 from .record import Task, save_task
