@@ -76,7 +76,9 @@ def test_speedrun_runs_every_stage_and_writes_the_report(tmp_path):
     assert "It continues the base `bases/tiny`" in report and "**RL against SFT.**" in report
     probes = json.loads((run / "copy_probe.json").read_text())
     assert set(probes) == {"pretrained", "sft", "rl"}
-    assert probes["pretrained"]["random"]["second"] < 3.0  # the base copies; a few steps cannot undo it
+    # the base copies: after a few steps at this test's high lr (no copy practice) the second copy is
+    # still predicted far better than the first
+    assert probes["pretrained"]["random"]["second"] < probes["pretrained"]["random"]["first"] - 3.0
     assert "![held-out loss](pretrain/heldout_loss.png)" in report and (run / "pretrain" / "heldout_loss.png").exists()
     assert "![training loss](training_loss.png)" in report and (run / "training_loss.png").stat().st_size > 0
     assert "| oracle | 1 x 1 | 1.000 ± 0.000" in report and "| noop | 1 x 1 | 0.000 ± 0.000" in report
