@@ -133,3 +133,31 @@ def serve(checkpoint: Annotated[str, typer.Option("--checkpoint", help="A checkp
         typer.echo("stopping")
     finally:
         server.close()
+
+
+@probe_app.command("edits")
+def probe_edit(checkpoints: Annotated[list[str], typer.Argument(help="Checkpoint folders to probe (compared side by side).")],
+               trajectories: Annotated[list[str], typer.Option(
+                   "--trajectories", help="Oracle trajectories of held-out tasks: JSON files or folders, e.g. the "
+                   "out_dir of `kiln bench --policy oracle` on an eval suite; repeatable.")],
+               as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object per checkpoint.")] = False):
+    """Can the model write the oracle's edit, given everything its rollout showed before it?
+    Teacher-forced top-1 on the edit_file call: the whole old text (finding the place), the whole
+    new text (given the right old text) and the first changed token (the fix)."""
+    import json
+
+    from kiln.model.checkpoint import CheckpointError
+    from kiln.pretrain.edit_probe import probe_edits_checkpoint
+    from kiln.pretrain.sft_data import SftDataError
+
+    for ckpt in checkpoints:
+        try:
+            r = probe_edits_checkpoint(ckpt, trajectories)
+        except (CheckpointError, FileNotFoundError, SftDataError, ValueError) as e:
+            _fail(f"{ckpt}: {e}")
+        if as_json:
+            typer.echo(json.dumps({"checkpoint": ckpt, **r}))
+            continue
+        typer.echo(f"{ckpt}: {r['n']} edits; the share whose every token is the model's top-1")
+        typer.echo(f"  old text {r['old_text']:.1%}   new text {r['new_text']:.1%}   first changed token "
+                   f"{r['change']:.1%}   (all reply tokens {r['reply_tokens']:.1%})")

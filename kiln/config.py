@@ -111,6 +111,9 @@ class PolicyConfig(Section):
     temperature: float = Field(0.7, ge=0)
     native_tools: bool = True  # also send tool schemas in the request's `tools` field
     seed: int = 0  # oracle: seeds the variety of its trajectories
+    # oracle: the share of rollouts whose first edit it gets wrong on purpose, then redoes after
+    # the tool's error (recovery for SFT to imitate; the wrong turn is never a training target)
+    oracle_mistakes: float = Field(0.0, ge=0, le=1)
 
 
 class ModelSection(Section):
@@ -232,6 +235,8 @@ class SftConfig(Section):
     oracle_tasks: int = Field(400, ge=0)  # toy train-split tasks the oracle solves for SFT data; 0 = none
     oracle_level: int = Field(1, ge=0, le=3)  # their level (toy.py); 0 = levels 1-3 in turn
     oracle_seed: int = Field(0, ge=0)  # the first toy task index (train and eval tasks never overlap)
+    # policy.oracle_mistakes while collecting SFT data: recovery to imitate (docs/architecture.md, "Copying")
+    oracle_mistakes: float = Field(0.3, ge=0, le=1)
     trajectories: list[str] = []  # more trajectory files or folders (e.g. a `kiln bench` out_dir)
     checkpoint: str = ""  # the model to fine-tune; empty = <run dir>/pretrain/checkpoint
 
@@ -290,7 +295,6 @@ class RLConfig(Section):
     store: str = ""  # weight store: a folder or s3://bucket/prefix; empty = <run dir>/rl/weights
     anchor_every: int = Field(10, ge=1)  # a full weight anchor every N versions, deltas between
     timeout_s: float = Field(600.0, gt=0)  # every cross-process wait
-    eval_tasks: int = Field(0, ge=0)  # held-out eval-split tasks benched before and after; 0 = speedrun's
 
 
 class Config(Section):

@@ -95,23 +95,38 @@ def bench_all(cfg, suite: str, checkpoint: str, run_dir: Path, echo=print) -> di
             for p in ("local", *CONTROLS)}
 
 
-def copy_probes(run_dir: Path, corpus: str, checkpoints: dict[str, str], echo=print) -> dict:
-    """The copy probe (kiln/pretrain/copying.py) of each model, code spans from the corpus's
-    held-out text; kept in <run dir>/copy_probe.json so a resumed speedrun does not redo them."""
-    from kiln.pretrain.copying import probe_checkpoint
-
-    path = run_dir / "copy_probe.json"
+def _probes(path: Path, checkpoints: dict[str, str], probe, describe, echo) -> dict:
+    """{label: probe(checkpoint)}, kept in `path` so a resumed speedrun does not redo them."""
     done = json.loads(path.read_text()) if path.exists() else {}
-    heldout = (Path(corpus) / "heldout.txt").read_text(encoding="utf-8")
     for label, ckpt in checkpoints.items():
         if label not in done:
-            done[label] = probe_checkpoint(ckpt, heldout)
-            r = done[label]
-            echo(f"copy probe {label}: second copy {r['random']['second']:.2f} nats on random spans "
-                 f"(first {r['random']['first']:.2f}), {r['code']['second']:.2f} on held-out code "
-                 f"(first {r['code']['first']:.2f})")
+            done[label] = probe(ckpt)
+            echo(f"{path.stem.replace('_', ' ')} {label}: {describe(done[label])}")
             path.write_text(json.dumps(done, indent=1) + "\n")
     return done
+
+
+def copy_probes(run_dir: Path, corpus: str, checkpoints: dict[str, str], echo=print) -> dict:
+    """The copy probe (kiln/pretrain/copying.py) of each model, code spans from the corpus's
+    held-out text, in <run dir>/copy_probe.json."""
+    from kiln.pretrain.copying import probe_checkpoint
+
+    heldout = (Path(corpus) / "heldout.txt").read_text(encoding="utf-8")
+    return _probes(run_dir / "copy_probe.json", checkpoints, lambda c: probe_checkpoint(c, heldout),
+                   lambda r: (f"second copy {r['random']['second']:.2f} nats on random spans (first "
+                              f"{r['random']['first']:.2f}), {r['code']['second']:.2f} on held-out code (first "
+                              f"{r['code']['first']:.2f})"), echo)
+
+
+def edit_probes(run_dir: Path, checkpoints: dict[str, str], echo=print) -> dict:
+    """The edit probe (kiln/pretrain/edit_probe.py) of each model on the oracle control's rollouts
+    of the held-out suite (bench-oracle), in <run dir>/edit_probe.json."""
+    from kiln.pretrain.edit_probe import probe_edits_checkpoint
+
+    oracle = str(run_dir / "bench-oracle")
+    return _probes(run_dir / "edit_probe.json", checkpoints, lambda c: probe_edits_checkpoint(c, [oracle]),
+                   lambda r: (f"old text {r['old_text']:.1%}, new text {r['new_text']:.1%}, first change "
+                              f"{r['change']:.1%} top-1 over {r['n']} edits"), echo)
 
 
 def speedrun(cfg, echo=print) -> Path:
@@ -151,6 +166,7 @@ def speedrun(cfg, echo=print) -> Path:
     benches["rl"] = stage("bench rl", lambda: bench_one(cfg, suite, "rl", "local", run_dir, rl["checkpoint"], echo))
     probes = stage("copy probes", lambda: copy_probes(run_dir, str(corpus_dir(cfg)), {
         "pretrained": pre["checkpoint"], "sft": tuned["checkpoint"], "rl": rl["checkpoint"]}, echo))
-    report = write_report(run_dir, cfg, corpus, pre, len(trajs), tuned, benches, times, rl, probes)
+    edits = stage("edit probes", lambda: edit_probes(run_dir, {"sft": tuned["checkpoint"], "rl": rl["checkpoint"]}, echo))
+    report = write_report(run_dir, cfg, corpus, pre, len(trajs), tuned, benches, times, rl, probes, edits)
     echo(f"speedrun: {sum(times.values()) / 60:.1f} min of stages -> {report}")
     return report

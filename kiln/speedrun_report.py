@@ -83,7 +83,8 @@ def paired(a_dir: Path, b_dir: Path) -> dict | None:
 
 
 def write_report(run_dir: Path, cfg, corpus: dict, pre: dict, n_trajs: int, tuned: dict, benches: dict,
-                 times: dict[str, float], rl: dict | None = None, probes: dict | None = None) -> Path:
+                 times: dict[str, float], rl: dict | None = None, probes: dict | None = None,
+                 edits: dict | None = None) -> Path:
     from kiln.pretrain.corpus import describe_corpus
     from kiln.rl.report import plot_rl, rl_lines
 
@@ -148,6 +149,13 @@ def write_report(run_dir: Path, cfg, corpus: dict, pre: dict, n_trajs: int, tune
     lines += _table(["policy", "tasks x passes", "solved (± s.e.)", "best-of-K (± s.e.)", "tool calls that parse",
                      "rollouts that self-summarised", "stop reasons", "details"], rows)
     lines += ["Standard errors are over tasks (a task's passes are not independent).", ""]
+    if edits:
+        lines += [("The edit probe (`kiln probe edits`), teacher-forced on the oracle's rollouts of these tasks: the "
+                   "share of edits whose every old-text token (finding the place), every new-text token (given the "
+                   "right old text) and first changed token (the fix) is the model's top-1."), ""]
+        lines += _table(["model", "edits", "old text", "new text", "first change", "all reply tokens"],
+                        [[m, r["n"], f"{r['old_text']:.1%}", f"{r['new_text']:.1%}", f"{r['change']:.1%}",
+                          f"{r['reply_tokens']:.1%}"] for m, r in edits.items()])
     if "rl" in benches and "local" in benches:
         lines += _verdict(benches["local"], benches["rl"], paired(run_dir / "bench-local", run_dir / "bench-rl"))
     path = run_dir / "report.md"

@@ -79,6 +79,9 @@ def test_speedrun_runs_every_stage_and_writes_the_report(tmp_path):
     # the base copies: after a few steps at this test's high lr (no copy practice) the second copy is
     # still predicted far better than the first
     assert probes["pretrained"]["random"]["second"] < probes["pretrained"]["random"]["first"] - 3.0
+    edits = json.loads((run / "edit_probe.json").read_text())
+    assert set(edits) == {"sft", "rl"} and edits["sft"]["n"] == 1  # the oracle control's one edit
+    assert "The edit probe (`kiln probe edits`)" in report and "| sft | 1 |" in report
     assert "![held-out loss](pretrain/heldout_loss.png)" in report and (run / "pretrain" / "heldout_loss.png").exists()
     assert "![training loss](training_loss.png)" in report and (run / "training_loss.png").stat().st_size > 0
     assert "| oracle | 1 x 1 | 1.000 ± 0.000" in report and "| noop | 1 x 1 | 0.000 ± 0.000" in report

@@ -47,7 +47,7 @@ def make_bench_policy(name: str, task: Task, pass_idx: int, config, runner=None)
         return NoopPolicy(), seed
     if name == "oracle":
         from kiln.policies.oracle import OraclePolicy
-        return OraclePolicy(task.solution, task.test_command, seed=seed), seed
+        return OraclePolicy(task.solution, task.test_command, seed=seed, mistakes=config.policy.oracle_mistakes), seed
     if name == "local":
         if runner is None:
             raise ValueError("the local policy in a benchmark decodes on a shared engine: pass its runner")

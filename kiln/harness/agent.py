@@ -89,7 +89,9 @@ class Agent:
     def _generate(self, kind: str) -> TurnRecord:
         t = time.monotonic()
         rec = self.policy.generate(self.segment.messages, self.schemas, self.cfg.max_turn_tokens)
-        rec.kind, rec.duration_s = kind, time.monotonic() - t
+        rec.duration_s = time.monotonic() - t
+        if rec.kind != "mistake":  # a demonstrator's deliberate mistake stays marked (SFT masks it)
+            rec.kind = kind
         if not rec.completion_tokens:
             rec.completion_tokens = self.policy.count_tokens(rec.text)
         self.segment.turns.append(rec)

@@ -19,7 +19,7 @@ class TurnRecord:
     """One policy call. Token fields are filled by local policies, None otherwise."""
     text: str  # the raw generated text
     finish_reason: str = "stop"  # "stop" | "length"
-    kind: str = "action"  # "action" | "summary"
+    kind: str = "action"  # "action" | "summary" | "mistake" (a demonstrator's, made to show recovery)
     prompt_tokens: int = 0
     completion_tokens: int = 0
     duration_s: float = 0.0

@@ -9,6 +9,7 @@ runs the tests first, so its trajectories are useful SFT data rather than one fi
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import random
 import re
@@ -22,13 +23,21 @@ from .base import ApproxTokens
 
 _LINE = re.compile(r"^\s*(\d+)\t(.*)$")
 _SYMBOL = re.compile(r"`([A-Za-z_][A-Za-z_0-9]*)")  # the leading identifier of a `code span`
+_DEF = re.compile(r"^\s*(?:async\s+)?def\s+([A-Za-z_][A-Za-z_0-9]*)")
 _MORE = re.compile(r"offset=(\d+)")
 _PAGE = 200  # lines per read: stays well inside the observation limit
 _SEARCH = ["Let me find where that is defined.", "First, where is it defined?", "Searching the code for it."]
 _OPENERS = ["Let me look at the code involved.", "First I'll read the relevant files.",
             "I'll start by reading the code.", "Reading the files this touches."]
+_WHERE = ["{symptom}: the cause is in {where}.", "{symptom}. That happens in {where}.",
+          "{symptom}, so the change goes in {where}."]
 _EDITS = ["Now I'll make the change.", "I see what's needed; editing now.", "Applying the fix.",
           "Here is the change."]
+# After a deliberate mistake (`mistakes`): the retry says what the tool's error meant.
+_RETRIES = {"identical": ["That changed nothing: old and new were the same. Now with the fix.",
+                          "Old and new text were identical; here is the actual change."],
+            "missing": ["That text is not in the file. Copying the line exactly as it reads.",
+                        "The old text did not match the file; retrying with the exact line."]}
 _TESTS = ["Running the tests to check.", "Let me verify with the tests.", "Checking the test suite."]
 _DONE = ["Done: {what}.", "I changed {what}; the tests pass.", "Finished. Updated {what}.",
          "The fix is in: {what}."]
@@ -37,8 +46,14 @@ _DONE = ["Done: {what}.", "I changed {what}; the tests pass.", "Finished. Update
 class OraclePolicy(ApproxTokens):
     name = "oracle"
 
-    def __init__(self, patch: str, test_command: str | None = None, seed: int = 0):
+    def __init__(self, patch: str, test_command: str | None = None, seed: int = 0, mistakes: float = 0.0):
         self.files = parse_patch(patch)
+        # With probability `mistakes`, the first edit is one a learning model makes (old and new
+        # the same, or the fixed line as the old text), then redone after the tool's error: SFT
+        # data that shows recovery. That turn is kind "mistake", never a training target. Its own
+        # stream, so the rest of a seed's trajectory does not change with the rate.
+        self.mistake = mistakes > 0 and random.Random(f"mistake-{seed}").random() < mistakes
+        self.retry: tuple[list[Call], str] | None = None
         self.test_command = test_command
         self.rng = random.Random(seed)
         self.rng.shuffle(self.files)
@@ -114,7 +129,17 @@ class OraclePolicy(ApproxTokens):
                 self.pending_reads = []
                 return self._say(_OPENERS[1:2], calls)
             self.phase = "edit"
-            return self._say(_EDITS, [c for f in self.files for c in self._file_calls(f)])
+            calls = [c for f in self.files for c in self._file_calls(f)]
+            where = self._where()
+            if not where:
+                return self._edit(_EDITS, calls)
+            # Restating the task and naming the function (copied from the task or the read) puts
+            # what is wrong and where right before the edit, instead of a whole file back.
+            lead = self.rng.choice(_WHERE).format(symptom=_symptom(self.task), where=where)
+            return self._edit([lead + " " + e for e in _EDITS], calls)
+        if self.phase == "retry":
+            (calls, kind), self.retry, self.phase = self.retry, None, "edit"
+            return self._say(_RETRIES[kind], calls)
         if self.phase == "edit" and self.test_command:
             self.phase = "test"
             return self._say(_TESTS, [Call("", "run_shell", {"command": self.test_command})])
@@ -125,11 +150,39 @@ class OraclePolicy(ApproxTokens):
         self.phase = "done"
         return self._say(_DONE, [], what=", ".join(sorted(f.path for f in self.files)))
 
+    def _edit(self, options: list[str], calls: list[Call]) -> TurnRecord:
+        """The edit turn, or first a deliberate mistake (see __init__) when one is due."""
+        first = next((c for c in calls if c.name == "edit_file" and c.arguments["old_text"]), None)
+        if not (self.mistake and first):
+            return self._say(options, calls)
+        self.mistake = False
+        a = first.arguments
+        known = "\n".join(self.lines.get(a["path"], {}).values())
+        kind = "missing" if self.rng.random() < 0.5 and a["new_text"].strip() not in known else "identical"
+        wrong = dict(a, old_text=a["new_text"], new_text=a["old_text"]) if kind == "missing" else dict(
+            a, new_text=a["old_text"])
+        self.retry, self.phase = (calls, kind), "retry"
+        return dataclasses.replace(self._say(options, [Call("", "edit_file", wrong)]), kind="mistake")
+
+    def _where(self) -> str:
+        """The functions the edits fall in, as `name`s (from the lines read): '' when none is known."""
+        names: list[str] = []
+        for f in self.files:
+            known = self.lines.get(f.old_path or "", {})
+            for h in f.hunks:
+                at = h.old_start + _trim(h.old_text, h.new_text)[2]
+                name = next((m.group(1) for i in range(at, 0, -1) if (m := _DEF.match(known.get(i, "")))), None)
+                if name and f"`{name}`" not in names:
+                    names.append(f"`{name}`")
+        return " and ".join(names)
+
     def _summary(self, messages: list[dict]) -> TurnRecord:
         """A self-summary that carries what the next segment needs: the files, the exact lines
         still to change (a fresh context has no read results to copy them from), and what is next."""
         if self.phase == "read":
             self._absorb_reads(messages)
+        if self.phase == "retry":  # the edit is still to make
+            self.phase, self.retry = "read", None
         parts = [f"Task: {self.task}"]
         if self.phase in ("start", "located"):
             parts.append("I searched for where it is defined. Next: read " +
@@ -163,6 +216,13 @@ class OraclePolicy(ApproxTokens):
             text = text[:at] + new + text[at + len(old):]
             shift += h.new_text.count("\n") - h.old_text.count("\n")
         return calls
+
+
+def _symptom(task: str) -> str:
+    """The task's first clause: what is wrong, without the request ("; fix it.")."""
+    first = task.strip().splitlines()[0] if task.strip() else ""
+    cut = min((i for i in (first.find("; "), first.find(" - "), first.find(". ")) if i > 0), default=len(first))
+    return first[:cut].rstrip(".?! ")[:200]
 
 
 def _trim(old: str, new: str) -> tuple[str, str, int]:

@@ -27,7 +27,14 @@ class SftDataError(ValueError):
 
 def segment_tokens(segment: Segment, tokenizer) -> tuple[list[int], list[int]]:
     """(ids, loss_mask) of one segment: mask 1 on every token the assistant generated (each
-    turn's reply and its end-of-turn token), 0 on system, user, tool and template tokens."""
+    turn's reply and its end-of-turn token), 0 on system, user, tool and template tokens and on
+    a demonstrator's deliberate mistakes (turn kind "mistake": context, never a target)."""
+    ids, mask, _ = segment_layout(segment, tokenizer)
+    return ids, mask
+
+
+def segment_layout(segment: Segment, tokenizer) -> tuple[list[int], list[int], list[tuple[int, int]]]:
+    """segment_tokens, and the [start, end) of each turn's reply in the ids."""
     starts = [i for i, m in enumerate(segment.messages) if m.get("role") == "assistant"]
     if len(starts) != len(segment.turns):
         raise SftDataError(f"a segment has {len(segment.turns)} recorded turns but {len(starts)} assistant "
@@ -36,6 +43,7 @@ def segment_tokens(segment: Segment, tokenizer) -> tuple[list[int], list[int]]:
     eos_text = tokenizer.decode([tokenizer.eos_id])
     ids: list[int] = []
     mask: list[int] = []
+    replies: list[tuple[int, int]] = []
     prev_through = ""  # the conversation through the previous reply, as the template renders it
     prev_ended = False  # the previous reply ended with the end-of-turn token
     for k, (at, turn) in enumerate(zip(starts, segment.turns)):
@@ -52,14 +60,15 @@ def segment_tokens(segment: Segment, tokenizer) -> tuple[list[int], list[int]]:
             new = tokenizer.encode(closing + text[len(prev_through):])
         reply = (list(turn.completion_ids) if turn.completion_ids is not None else
                  tokenizer.encode(turn.text) + ([tokenizer.eos_id] if turn.finish_reason == "stop" else []))
+        replies.append((len(ids) + len(new), len(ids) + len(new) + len(reply)))
         ids += new + reply
-        mask += [0] * len(new) + [1] * len(reply)
+        mask += [0] * len(new) + [0 if turn.kind == "mistake" else 1] * len(reply)
         prev_ended = bool(reply) and reply[-1] == tokenizer.eos_id
         through = tokenizer.apply_chat_template(segment.messages[: at + 1])
         if not (through.startswith(text) and through.endswith(turn_end)):
             raise SftDataError(f"the chat template renders assistant message {at} in an unexpected layout")
         prev_through = through
-    return ids, mask
+    return ids, mask, replies
 
 
 def load_trajectories(paths) -> list[Trajectory]:
@@ -105,8 +114,10 @@ def collect_oracle_trajectories(cfg, out_dir, n_tasks: int, seed: int = 0, level
                          progress=progress)
         if y.kept == 0:
             raise SftDataError(f"no toy task could be generated in {suite} (rejected: {dict(y.rejected)})")
+    oracle_cfg = cfg.model_copy(deep=True)
+    oracle_cfg.policy.oracle_mistakes = cfg.sft.oracle_mistakes
     run_bench(str(suite), "oracle", passes=1, workers=cfg.bench.workers, out_dir=str(out_dir / "rollouts"),
-              config=cfg, progress=progress)
+              config=oracle_cfg, progress=progress)
     trajs = sorted((out_dir / "rollouts" / "trajectories").glob("*.json"))
     return [p for p in trajs if Trajectory.load(str(p)).rewards.get("correctness", 0.0) > 0]
 

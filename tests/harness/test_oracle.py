@@ -1,6 +1,8 @@
 """The oracle policy solves tasks through the real tools alone."""
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from kiln.config import HarnessConfig
@@ -36,7 +38,8 @@ def test_oracle_solves_20_of_20(repos, hstate, scfg):
 
 def test_oracle_finds_the_file_before_reading_it_and_edits_only_changed_lines(scfg, tmp_path):
     """Under the tiny preset's three tools: a grep in the shell for the symbol the task names, a
-    read of a path that grep printed, and an edit of the one changed line."""
+    read of a path that grep printed, then the task restated with the function to change and an
+    edit of the one changed line."""
     from kiln.bench.run import run_bench
     from kiln.config import Config
     from kiln.harness.trajectory import Trajectory
@@ -58,6 +61,12 @@ def test_oracle_finds_the_file_before_reading_it_and_edits_only_changed_lines(sc
         # one line changed; context only where that line alone is not unique in the file
         assert len(edits) == 1 and len(old) == len(new) and sum(a != b for a, b in zip(old, new)) == 1
         assert len(old) == 1 or old[0] == new[0] or old[-1] == new[-1]
+        # the edit's turn restates the task and names the function the file shows above the line
+        read = next(m["content"] for m in traj.messages if m.get("tool_call_id") == second.call_id)
+        above = read[:read.index(old[0])].splitlines()
+        name = [m.group(1) for ln in above if (m := re.match(r"\s*\d+\t\s*def (\w+)", ln))][-1]
+        edit_turn = next(t for t in traj.turns if "edit_file" in t.text)
+        assert f"`{name}`" in edit_turn.text.split("\n")[0] and f"`{traj.task.split('`')[1]}`" in edit_turn.text
 
 
 def test_oracle_pages_through_a_file_longer_than_one_read(scfg, tmp_path):
@@ -100,3 +109,37 @@ def test_oracle_self_summarises_and_still_solves(repos, hstate, scfg):
                 assert seg.turns[-1].kind == "summary" and seg.summary.startswith("Task: ")
                 assert r["prompt"] in seg.summary
     assert summarised >= 3
+
+
+def test_oracle_mistakes_are_recovered_and_never_trained_on(scfg, tmp_path):
+    """policy.oracle_mistakes=1: the first edit is wrong on purpose (old and new the same, or the
+    fixed line as the old text), the tool refuses it, the next turn redoes it and the task is
+    solved; SFT's loss mask leaves out exactly the mistaken turn."""
+    from kiln.bench.run import run_bench
+    from kiln.config import Config, PolicyConfig
+    from kiln.harness.trajectory import Trajectory
+    from kiln.model.tokenizer import load_tokenizer
+    from kiln.pretrain.sft_data import segment_layout
+    from kiln.tasks.toy import generate_toy
+
+    generate_toy(str(tmp_path / "suite"), 4, seed=0, level=1, split="train", sandbox_cfg=scfg, progress=False)
+    cfg = Config(sandbox=scfg, harness=HarnessConfig(tools=["read_file", "edit_file", "run_shell"]),
+                 policy=PolicyConfig(oracle_mistakes=1.0))
+    s = run_bench(str(tmp_path / "suite"), "oracle", out_dir=str(tmp_path / "out"), config=cfg, progress=False)
+    assert s["correctness_mean"] == 1.0
+    tok = load_tokenizer("bases/tiny")
+    errors = set()
+    for f in sorted((tmp_path / "out" / "trajectories").glob("*.json")):
+        traj = Trajectory.load(str(f))
+        kinds = [t.kind for t in traj.turns]
+        assert kinds.count("mistake") == 1
+        k = kinds.index("mistake")
+        edits = [t for t in traj.tools if t.name == "edit_file"]
+        assert [e.turn for e in edits] == [k, k + 1] and [e.ok for e in edits] == [False, True]
+        error = next(m["content"] for m in traj.messages if m.get("tool_call_id") == edits[0].call_id)
+        errors.add("identical" if "identical" in error else "not found" if "was not found" in error else error)
+        _, mask, replies = segment_layout(traj.segments[0], tok)
+        for i, (a, b) in enumerate(replies):
+            assert set(mask[a:b]) == ({0} if i == k else {1})
+        assert sum(mask) == sum(b - a for i, (a, b) in enumerate(replies) if i != k)
+    assert errors == {"identical", "not found"}  # both kinds of mistake, each answered by the tool
