@@ -108,7 +108,7 @@ class PolicyConfig(Section):
     api_key_env: str = "OPENAI_API_KEY"  # the key is read from this env var, never from config
     timeout_s: float = Field(300.0, gt=0)  # per request
     max_retries: int = Field(4, ge=0)  # on connection errors, timeouts, 429 and 5xx, with backoff
-    temperature: float = Field(0.7, ge=0)
+    temperature: float = Field(0.2, ge=0)  # near-greedy: how agents are evaluated (the tiny preset measured it)
     native_tools: bool = True  # also send tool schemas in the request's `tools` field
     seed: int = 0  # oracle: seeds the variety of its trajectories
     # oracle: the share of rollouts whose first edit it gets wrong on purpose, then redoes after
@@ -184,7 +184,7 @@ class PretrainConfig(Section):
     tiny phases (continuing bases/tiny) take about 4 minutes on 2 cores (bulk ~3,600 tokens/s,
     extension with MTP ~1,450);
     SFT phases are `kiln sft`'s (agent trajectories, from the pretrained checkpoint; the tiny one
-    takes about 8 minutes)."""
+    takes about 11 minutes)."""
     phases: list[PhaseConfig] = [
         # Continued pretraining of the committed base (init): copy practice as the base had it, so
         # copying stays. From scratch, configs/base.toml's 2,700 steps are what copying takes.
@@ -192,10 +192,10 @@ class PretrainConfig(Section):
                     copy_frac=0.25),
         PhaseConfig(name="extension", kind="extension", steps=30, seq_len=1024, batch_size=4, lr=5e-4,
                     warmup_steps=3, rope_theta=40000.0, copy_frac=0.25),
-        # One level-1 toy rollout per row (~2,100 tokens, at most ~2,600): ~2.4 s a step on 2 cores,
-        # 5 epochs over the oracle's 80 rollouts. Many small steps at 2e-3 beat 60 steps of 4 rows at
-        # 1e-3 (the tiny run's tool calls parsed 92% of the time against 28%, held-out oracle loss 0.47 against 1.09).
-        PhaseConfig(name="sft", kind="sft", steps=200, seq_len=2560, batch_size=2, lr=2e-3, warmup_steps=5),
+        # One level-1 toy rollout per row (~2,100 tokens, at most ~2,600): ~1.7 s a step on 2 cores,
+        # two thirds of an epoch over the oracle's 1,200 rollouts. Many small steps at 2e-3 beat 60 steps of 4 rows
+        # at 1e-3 (the tiny run's tool calls parsed 92% of the time against 28%, held-out oracle loss 0.47 against 1.09).
+        PhaseConfig(name="sft", kind="sft", steps=400, seq_len=2560, batch_size=2, lr=2e-3, warmup_steps=5),
     ]
     schedule: Literal["cosine", "wsd"] = "cosine"
     min_lr_ratio: float = Field(0.1, ge=0, le=1)  # each phase ends at min_lr_ratio x its lr
@@ -232,7 +232,7 @@ class PretrainConfig(Section):
 
 class SftConfig(Section):
     """`kiln sft`'s data; its training settings are pretrain.phases' phases of kind "sft"."""
-    oracle_tasks: int = Field(400, ge=0)  # toy train-split tasks the oracle solves for SFT data; 0 = none
+    oracle_tasks: int = Field(1200, ge=0)  # toy train-split tasks the oracle solves for SFT data; 0 = none
     oracle_level: int = Field(1, ge=0, le=3)  # their level (toy.py); 0 = levels 1-3 in turn
     oracle_seed: int = Field(0, ge=0)  # the first toy task index (train and eval tasks never overlap)
     # policy.oracle_mistakes while collecting SFT data: recovery to imitate (docs/architecture.md, "Copying")
@@ -262,7 +262,7 @@ class RLConfig(Section):
     checkpoint: str = ""  # the policy to train; empty = <run dir>/sft/checkpoint
     tasks: int = Field(64, ge=1)  # toy train-split prompts; single epoch: each is trained on at most once
     level: int = Field(1, ge=0, le=3)  # their level; 0 = levels 1-3 in turn
-    task_seed: int = Field(1000, ge=0)  # the first toy index: past the SFT data's tasks
+    task_seed: int = Field(5000, ge=0)  # the first toy index: past the SFT data's tasks (checked)
     steps: int = Field(8, ge=1)  # trainer steps (one new weight version each)
     group_size: int = Field(4, ge=2)  # G rollouts per prompt, from forks of one task sandbox
     groups_per_step: int = Field(2, ge=1)
@@ -309,6 +309,16 @@ class Config(Section):
     bench: BenchConfig = BenchConfig()
     speedrun: SpeedrunConfig = SpeedrunConfig()
     rl: RLConfig = RLConfig()
+
+    @model_validator(mode="after")
+    def _rl_prompts_are_not_sft_tasks(self):
+        # Both draw train-split toy tasks by index; an overlap would train RL on tasks SFT has seen.
+        s, r = self.sft, self.rl
+        if s.oracle_tasks and s.oracle_seed < r.task_seed + r.tasks and r.task_seed < s.oracle_seed + s.oracle_tasks:
+            raise ValueError(f"rl.task_seed ({r.task_seed}) + rl.tasks ({r.tasks}) overlaps the SFT data's toy tasks "
+                             f"(sft.oracle_seed {s.oracle_seed} + sft.oracle_tasks {s.oracle_tasks}): set rl.task_seed "
+                             f">= {s.oracle_seed + s.oracle_tasks}")
+        return self
 
 
 # ---------------------------------------------------------------------------------------- loading

@@ -112,3 +112,9 @@ def test_toml_round_trip(tmp_path):
     f.write_text(config_to_toml(cfg))
     assert load_config(f) == cfg
     assert "[sandbox]" in f.read_text() and "memory_mb = 4096" in f.read_text()
+
+
+def test_rl_prompts_may_not_repeat_sft_tasks():
+    with pytest.raises(ConfigError, match=r"rl.task_seed \(100\) .* overlaps the SFT data's toy tasks .* >= 400"):
+        load_config("tiny", ["rl.task_seed=100", "sft.oracle_tasks=400"])
+    assert load_config("tiny", ["rl.task_seed=100", "sft.oracle_tasks=0"]).rl.task_seed == 100

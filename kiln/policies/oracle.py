@@ -37,7 +37,9 @@ _EDITS = ["Now I'll make the change.", "I see what's needed; editing now.", "App
 _RETRIES = {"identical": ["That changed nothing: old and new were the same. Now with the fix.",
                           "Old and new text were identical; here is the actual change."],
             "missing": ["That text is not in the file. Copying the line exactly as it reads.",
-                        "The old text did not match the file; retrying with the exact line."]}
+                        "The old text did not match the file; retrying with the exact line."],
+            "elsewhere": ["That changed nothing, and `{wrong}` is not where it goes wrong. {lead}",
+                          "Nothing to change in `{wrong}`: it is not the cause. {lead}"]}
 _TESTS = ["Running the tests to check.", "Let me verify with the tests.", "Checking the test suite."]
 _DONE = ["Done: {what}.", "I changed {what}; the tests pass.", "Finished. Updated {what}.",
          "The fix is in: {what}."]
@@ -48,12 +50,13 @@ class OraclePolicy(ApproxTokens):
 
     def __init__(self, patch: str, test_command: str | None = None, seed: int = 0, mistakes: float = 0.0):
         self.files = parse_patch(patch)
-        # With probability `mistakes`, the first edit is one a learning model makes (old and new
-        # the same, or the fixed line as the old text), then redone after the tool's error: SFT
+        # With probability `mistakes`, the first edit is one a learning model makes (a line of the
+        # wrong function left unchanged, the right line unchanged, or the fixed line as the old
+        # text), then redone after the tool's error: SFT
         # data that shows recovery. That turn is kind "mistake", never a training target. Its own
         # stream, so the rest of a seed's trajectory does not change with the rate.
         self.mistake = mistakes > 0 and random.Random(f"mistake-{seed}").random() < mistakes
-        self.retry: tuple[list[Call], str] | None = None
+        self.retry: tuple[list[Call], str, dict] | None = None  # the edit still to make, why, the retry's words
         self.test_command = test_command
         self.rng = random.Random(seed)
         self.rng.shuffle(self.files)
@@ -136,10 +139,10 @@ class OraclePolicy(ApproxTokens):
             # Restating the task and naming the function (copied from the task or the read) puts
             # what is wrong and where right before the edit, instead of a whole file back.
             lead = self.rng.choice(_WHERE).format(symptom=_symptom(self.task), where=where)
-            return self._edit([lead + " " + e for e in _EDITS], calls)
+            return self._edit([lead + " " + e for e in _EDITS], calls, lead)
         if self.phase == "retry":
-            (calls, kind), self.retry, self.phase = self.retry, None, "edit"
-            return self._say(_RETRIES[kind], calls)
+            (calls, kind, kw), self.retry, self.phase = self.retry, None, "edit"
+            return self._say(_RETRIES[kind], calls, **kw)
         if self.phase == "edit" and self.test_command:
             self.phase = "test"
             return self._say(_TESTS, [Call("", "run_shell", {"command": self.test_command})])
@@ -150,19 +153,49 @@ class OraclePolicy(ApproxTokens):
         self.phase = "done"
         return self._say(_DONE, [], what=", ".join(sorted(f.path for f in self.files)))
 
-    def _edit(self, options: list[str], calls: list[Call]) -> TurnRecord:
-        """The edit turn, or first a deliberate mistake (see __init__) when one is due."""
+    def _edit(self, options: list[str], calls: list[Call], lead: str = "") -> TurnRecord:
+        """The edit turn, or first a deliberate mistake (see __init__) when one is due: half of them
+        an unchanged line of another function (a wrong guess of where), else the right line unchanged
+        or the fixed line as the old text."""
         first = next((c for c in calls if c.name == "edit_file" and c.arguments["old_text"]), None)
         if not (self.mistake and first):
             return self._say(options, calls)
         self.mistake = False
         a = first.arguments
-        known = "\n".join(self.lines.get(a["path"], {}).values())
-        kind = "missing" if self.rng.random() < 0.5 and a["new_text"].strip() not in known else "identical"
+        known = self.lines.get(a["path"], {})
+        other = self._elsewhere(known) if lead and self.rng.random() < 0.5 else None
+        if other:
+            name, line = other
+            self.retry, self.phase = (calls, "elsewhere", {"wrong": name, "lead": lead}), "retry"
+            options = [self.rng.choice(_WHERE).format(symptom=_symptom(self.task), where=f"`{name}`") + " " + e
+                       for e in _EDITS]
+            return dataclasses.replace(self._say(options, [Call("", "edit_file", dict(a, old_text=line, new_text=line))]),
+                                       kind="mistake")
+        kind = "missing" if self.rng.random() < 0.5 and a["new_text"].strip() not in "\n".join(known.values()) \
+            else "identical"
         wrong = dict(a, old_text=a["new_text"], new_text=a["old_text"]) if kind == "missing" else dict(
             a, new_text=a["old_text"])
-        self.retry, self.phase = (calls, kind), "retry"
+        self.retry, self.phase = (calls, kind, {}), "retry"
         return dataclasses.replace(self._say(options, [Call("", "edit_file", wrong)]), kind="mistake")
+
+    def _elsewhere(self, known: dict[int, str]) -> tuple[str, str] | None:
+        """(name, one code line + newline) of a function in the file other than the ones edited, or None."""
+        right = set(_SYMBOL.findall(self._where()))
+        bodies: dict[str, list[str]] = {}
+        name, indent = None, 0
+        for i in sorted(known):
+            text, code = known[i], known[i].strip()
+            depth = len(text) - len(text.lstrip())
+            if m := _DEF.match(text):
+                name, indent = (m.group(1) if m.group(1) not in right else None), depth
+            elif code and depth <= indent:  # out of the function's body
+                name = None
+            elif name and code and not code.startswith(("#", '"', "'", "@")):
+                bodies.setdefault(name, []).append(text + "\n")
+        if not bodies:
+            return None
+        name = self.rng.choice(sorted(bodies))
+        return name, self.rng.choice(bodies[name])
 
     def _where(self) -> str:
         """The functions the edits fall in, as `name`s (from the lines read): '' when none is known."""

@@ -112,8 +112,9 @@ def test_oracle_self_summarises_and_still_solves(repos, hstate, scfg):
 
 
 def test_oracle_mistakes_are_recovered_and_never_trained_on(scfg, tmp_path):
-    """policy.oracle_mistakes=1: the first edit is wrong on purpose (old and new the same, or the
-    fixed line as the old text), the tool refuses it, the next turn redoes it and the task is
+    """policy.oracle_mistakes=1: the first edit is wrong on purpose (a line of another function
+    left unchanged, the right line unchanged, or the fixed line as the old text), the tool refuses
+    it, the next turn redoes it (naming the right function after a wrong one) and the task is
     solved; SFT's loss mask leaves out exactly the mistaken turn."""
     from kiln.bench.run import run_bench
     from kiln.config import Config, PolicyConfig
@@ -128,7 +129,7 @@ def test_oracle_mistakes_are_recovered_and_never_trained_on(scfg, tmp_path):
     s = run_bench(str(tmp_path / "suite"), "oracle", out_dir=str(tmp_path / "out"), config=cfg, progress=False)
     assert s["correctness_mean"] == 1.0
     tok = load_tokenizer("bases/tiny")
-    errors = set()
+    errors, elsewhere = set(), 0
     for f in sorted((tmp_path / "out" / "trajectories").glob("*.json")):
         traj = Trajectory.load(str(f))
         kinds = [t.kind for t in traj.turns]
@@ -138,8 +139,13 @@ def test_oracle_mistakes_are_recovered_and_never_trained_on(scfg, tmp_path):
         assert [e.turn for e in edits] == [k, k + 1] and [e.ok for e in edits] == [False, True]
         error = next(m["content"] for m in traj.messages if m.get("tool_call_id") == edits[0].call_id)
         errors.add("identical" if "identical" in error else "not found" if "was not found" in error else error)
+        wrong, right = edits[0].arguments, edits[1].arguments["old_text"]
+        if wrong["old_text"] == wrong["new_text"] not in right:  # a line elsewhere: the retry says so, names the right place
+            elsewhere += 1
+            named = re.findall(r"`(\w+)`", traj.turns[k + 1].text)
+            assert named[0] in traj.turns[k].text and named[0] != named[-1], traj.turns[k + 1].text
         _, mask, replies = segment_layout(traj.segments[0], tok)
         for i, (a, b) in enumerate(replies):
             assert set(mask[a:b]) == ({0} if i == k else {1})
         assert sum(mask) == sum(b - a for i, (a, b) in enumerate(replies) if i != k)
-    assert errors == {"identical", "not found"}  # both kinds of mistake, each answered by the tool
+    assert errors == {"identical", "not found"} and elsewhere  # every kind of mistake, each answered by the tool
