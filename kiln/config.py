@@ -263,8 +263,8 @@ class RLConfig(Section):
     tasks: int = Field(64, ge=1)  # toy train-split prompts; single epoch: each is trained on at most once
     level: int = Field(1, ge=0, le=3)  # their level; 0 = levels 1-3 in turn
     task_seed: int = Field(5000, ge=0)  # the first toy index: past the SFT data's tasks (checked)
-    steps: int = Field(8, ge=1)  # trainer steps (one new weight version each)
-    group_size: int = Field(4, ge=2)  # G rollouts per prompt, from forks of one task sandbox
+    steps: int = Field(20, ge=1)  # trainer steps (one new weight version each)
+    group_size: int = Field(8, ge=2)  # G rollouts per prompt, from forks of one task sandbox
     groups_per_step: int = Field(2, ge=1)
     max_lag: int = Field(1, ge=0)  # admission: never start a rollout its step would train > max_lag versions later
     workers: int = Field(2, ge=1)  # rollout worker processes
@@ -272,7 +272,7 @@ class RLConfig(Section):
     # [] = all. Disjoint sets mirror the recipe's separate training and sampling hardware.
     trainer_cpus: list[int] = []
     worker_cpus: list[int] = []
-    temperature: float = Field(1.0, gt=0)
+    temperature: float = Field(0.7, gt=0)  # sampling; the bench evaluates at policy.temperature
     lr: float = Field(1e-5, gt=0)  # Adam, full parameters, constant
     betas: tuple[float, float] = (0.9, 0.999)
     grad_clip: float = Field(1.0, ge=0)

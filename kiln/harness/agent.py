@@ -59,10 +59,12 @@ class Agent:
         while not self.traj.stop_reason:
             try:
                 self._check_limits()
+                # Before acting, not after the reply: a cut-off or malformed reply interrupts the
+                # step, and its long text must still lead to a summary rather than a full context.
+                self._maybe_summarise()
                 reply = self._act()
                 self._observe(reply.calls)
                 self._check_reply(reply)
-                self._maybe_summarise()
             except Interrupt as e:
                 self._append(e.message)
             except Stop as e:
@@ -196,7 +198,7 @@ class Agent:
         return int(self.cfg.summary_at * window)
 
     def _maybe_summarise(self) -> None:
-        if self.context_tokens() < self.summary_trigger():
+        if not self.segment.turns or self.context_tokens() < self.summary_trigger():  # acted in it first
             return
         if len(self.traj.segments) - 1 >= self.cfg.max_summaries:
             raise Stop("max_summaries")

@@ -159,6 +159,21 @@ def test_self_summary_chains_segments(hbox):
     assert traj.unfinished_todos == [{"content": "fix add", "status": "in_progress"}]
 
 
+def test_replies_cut_off_at_the_turn_limit_still_lead_to_a_summary(hbox):
+    """A model repeating itself until max_turn_tokens is interrupted every turn; its context must
+    still pass through a summary instead of filling up (found in the tiny SFT model's rollouts)."""
+    def step(messages):
+        if "Your context is nearly full" in messages[-1]["content"]:
+            return "SUMMARY: nothing fixed yet."
+        return TurnRecord(text="It is not where it goes wrong. " * 20, completion_tokens=150, finish_reason="length")
+    c = cfg(tools=["run_shell"], context_tokens=3000, summary_at=0.6, max_summaries=1, max_turns=30)
+    traj = Agent(ScriptedPolicy(step), hbox, c).run("Fix add.")
+    assert traj.stop_reason == "max_summaries" and len(traj.segments) == 2
+    assert len(traj.segments[0].turns) > 3  # it acted (and was cut off) several times before summarising
+    assert traj.segments[0].summary == "SUMMARY: nothing fixed yet."
+    assert "cut off" in traj.segments[0].messages[-3]["content"]  # the interrupt came right before the request
+
+
 def test_trajectory_json_round_trip_keeps_token_data(hbox):
     rec = TurnRecord(text=call("run_shell", command="echo hi"), prompt_ids=[1, 2, 3], completion_ids=[4, 5],
                      logprobs=[-0.125, -2.5e-7], versions=[3, 4], routes=[[[0, 1]], [[2, 3]]])

@@ -69,11 +69,26 @@ def test_replayed_trainer_logprobs_match_the_sampler(setup):
     assert replaced == 0
 
 
+def test_a_chunk_of_short_rows_is_scored_at_its_own_width(setup):
+    """The trainer cuts a chunk to its longest row; the short row's logprobs still match the sampler's."""
+    ckpt, trajs = setup
+    model, _ = load_checkpoint(ckpt, with_mtp=False)
+    short = Trajectory(task_id="short", segments=[Segment(turns=trajs[0].segments[0].turns[:1])])
+    batch = collate(sequences(short, 0) + [s for i, t in enumerate(trajs) for s in sequences(t, i + 1)])
+    assert batch.mask[0].nonzero().max() + 2 < batch.ids.shape[1]  # row 0 is shorter than the batch
+    with torch.no_grad():
+        lp, _ = target_logp(model, batch, slice(0, 1), 1.0, True, 0.5)
+    keep = batch.mask[:1].bool()
+    assert lp.shape == keep.shape and (lp[~keep] == 0).all()
+    assert (lp - batch.sampler_logp[:1])[keep].abs().max() < 1e-4
+
+
 @pytest.mark.parametrize("aggregation", ["constant", "token_mean", "seq_mean"])
 def test_a_step_moves_logprobs_with_the_advantage_and_logs_the_metrics(setup, aggregation):
     ckpt, trajs = setup
     model, _ = load_checkpoint(ckpt, with_mtp=False)
-    rl = Config().rl.model_copy(update={"lr": 3e-3, "aggregation": aggregation, "kl_coef": 0.1})
+    rl = Config().rl.model_copy(update={"lr": 3e-3, "aggregation": aggregation, "kl_coef": 0.1,
+                                        "temperature": 1.0})  # what _traj sampled at
     ref, _ = load_checkpoint(ckpt, with_mtp=False)
     trainer = RLTrainer(model, rl, ref_model=ref, version=0)
     rewards = [{"correctness": 1.0, "length": -0.1}, {"correctness": 0.0, "length": -0.1},
