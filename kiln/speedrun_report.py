@@ -149,6 +149,10 @@ def write_report(run_dir: Path, cfg, corpus: dict, pre: dict, n_trajs: int, tune
     lines += _table(["policy", "tasks x passes", "solved (± s.e.)", "best-of-K (± s.e.)", "tool calls that parse",
                      "rollouts that self-summarised", "stop reasons", "details"], rows)
     lines += ["Standard errors are over tasks (a task's passes are not independent).", ""]
+    if "local" in benches:
+        sft = benches["local"]
+        lines += [f"The SFT model solves {sft['correctness_mean']:.1%} of its {sft['n_rollouts']} rollouts on tasks it "
+                  "never saw in training.", ""]
     if edits:
         lines += [("The edit probe (`kiln probe edits`), teacher-forced on the oracle's rollouts of these tasks: the "
                    "share of edits whose every old-text token (finding the place), every new-text token (given the "
@@ -174,6 +178,11 @@ def _copy_lines(probes: dict | None, plot: Path | None, rel) -> list[str]:
         lines += _table(["model", "random: first", "random: second", "code: first", "code: second"],
                         [[m, r["random"]["first"], r["random"]["second"], r["code"]["first"], r["code"]["second"]]
                          for m, r in probes.items()])
+    if probes and "pretrained" in probes:
+        r = probes["pretrained"]["random"]
+        lines += [(f"The pretrained model predicts the second copy of a random span at {r['second']:.2f} nats, the "
+                   f"first at {r['first']:.2f}: " + ("it copies from its context." if r["second"] <= 1.0 else
+                                                     "it does not copy reliably yet (a copying model is under 1 nat).")), ""]
     if plot:
         lines += [f"![copy probe]({rel(plot)})", ""]
     return lines

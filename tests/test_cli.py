@@ -1,6 +1,7 @@
 """The `kiln` command: help, --dry-run, config errors, and wiring into the stages."""
 
 import json
+import re
 import subprocess
 import sys
 
@@ -86,6 +87,9 @@ def test_speedrun_runs_every_stage_and_writes_the_report(tmp_path):
     assert "![training loss](training_loss.png)" in report and (run / "training_loss.png").stat().st_size > 0
     assert "| oracle | 1 x 1 | 1.000 ± 0.000" in report and "| noop | 1 x 1 | 0.000 ± 0.000" in report
     assert "![rl](rl.png)" in report and (run / "rl.png").stat().st_size > 0
+    assert re.search(r"The pretrained model predicts the second copy of a random span at \d+\.\d\d nats", report)
+    assert re.search(r"The SFT model solves \d+\.\d% of its 1 rollouts", report)
+    assert re.search(r"\n[012] of 2 rollouts self-summarised at least once\.", report)  # 1 step, 1 group of 2
 
     again = runner.invoke(app, ["speedrun", f"sandbox.state_dir={tmp_path}", f"run.out_dir={tmp_path}",
                                 *TINY_SPEEDRUN])  # a finished run resumes: every stage is reused

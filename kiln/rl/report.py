@@ -52,6 +52,8 @@ def rl_lines(rows: list[dict], plot_rel: str, group_size: int) -> list[str]:
         (f"{len(rows)} trainer steps. Mean reward {first['reward_mean']:+.3f} (step 1) -> {last['reward_mean']:+.3f} "
          f"(step {last['step']}); solved {first['solved_mean']:.2f} -> {last['solved_mean']:.2f} (mean), "
          f"{first['solved_best_of_k']:.2f} -> {last['solved_best_of_k']:.2f} (best of {group_size})."),
+        (f"{sum(r.get('summarised', 0) for r in rows)} of {sum(r.get('rollouts', 0) for r in rows)} rollouts "
+         "self-summarised at least once."),
         (f"Train/inference mismatch KL (k3) at the last step {last.get('mismatch_kl_k3', float('nan')):.2e}; "
          f"delta per step {sum(r['delta_fraction'] for r in rows) / len(rows):.1%} of the full weights; "
          "policy lag of generated tokens: " + ", ".join(f"{k}: {v / n:.0%}" for k, v in hist.items()) + "."),

@@ -143,7 +143,8 @@ def _reward_metrics(groups: list[Group], reward: torch.Tensor, kl: torch.Tensor)
 
 def _tokens(trajs) -> dict:
     kinds = ("thinking_tokens", "tool_call_tokens", "tool_output_tokens", "final_tokens")
-    return {f"tokens/{k}": sum(getattr(t.effort, k) for t in trajs) for k in kinds}
+    return {**{f"tokens/{k}": sum(getattr(t.effort, k) for t in trajs) for k in kinds},
+            "rollouts": len(trajs), "summarised": sum(len(t.segments) > 1 for t in trajs)}
 
 
 def _lag(batch: Batch, trained_at: int) -> dict[str, int]:

@@ -180,11 +180,11 @@ def write_candidate(c: Candidate, out_dir: str) -> Task:
     return task
 
 
-def _make_one(index: int, level: int, split: str, out_dir: str, staging: str, cfg) -> str:
+def _make_one(index: int, level: int, split: str, out_dir: str, staging: str, cfg, runs_after: int) -> str:
     """Build, stage, validate and publish one candidate; returns "" when kept, else the reason."""
     task = write_candidate(build_candidate(toy_seed(index, split), level), staging)
     try:
-        v = validate(task, cfg)  # imports the repo once and drops it afterwards
+        v = validate(task, cfg, runs_after=runs_after)  # imports the repo once and drops it afterwards
     except Exception as e:  # a sandbox failure costs this candidate, not the run; it is counted
         v = Validation(False, f"sandbox error ({type(e).__name__}): {e}")
     if not v.ok:
@@ -200,8 +200,11 @@ def _make_one(index: int, level: int, split: str, out_dir: str, staging: str, cf
 
 
 def generate_toy(out_dir: str, n: int, seed: int = 0, level: int | None = None, split: str = "eval",
-                 sandbox_cfg=None, workers: int = 2, progress: bool = True) -> Yield:
+                 sandbox_cfg=None, workers: int = 2, progress: bool = True, flaky_check: bool = True) -> Yield:
     """Write `n` validated toy tasks to `out_dir` (folders `toy-L{level}-{generator seed}`).
+
+    flaky_check=False runs the tests once after the gold patch instead of twice: for callers that
+    run them again anyway (SFT data keeps only rollouts whose grading passed).
 
     `seed` is the first task index; see the module docstring for how indices map to seeds.
     At most 2n + 10 candidates are tried, so a broken sandbox cannot loop forever.
@@ -224,8 +227,8 @@ def generate_toy(out_dir: str, n: int, seed: int = 0, level: int | None = None, 
                 # One batch per round; rejected candidates are replaced by the next indices.
                 batch = range(index, index + min(n - y.kept, max_candidates - y.candidates))
                 index = batch.stop
-                futures = [pool.submit(_make_one, j, level or 1 + j % 3, split, out_dir, staging, sandbox_cfg)
-                           for j in batch]
+                futures = [pool.submit(_make_one, j, level or 1 + j % 3, split, out_dir, staging, sandbox_cfg,
+                                       2 if flaky_check else 1) for j in batch]
                 for f in as_completed(futures):
                     y.candidates += 1
                     reason = f.result()

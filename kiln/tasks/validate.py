@@ -1,5 +1,6 @@
 """Validate a task by execution: hidden tests fail before the gold change and pass after it,
-twice (a flaky task is rejected), and the gold change breaks nothing that passed."""
+twice (a flaky task is rejected; once when a later step reruns them anyway), and the gold change
+breaks nothing that passed."""
 from __future__ import annotations
 
 import shlex
@@ -34,21 +35,22 @@ def apply_patch_in(sandbox, patch: str) -> list[str]:
     return apply_patch(patch, sandbox.read_text, write)
 
 
-def validate(task: Task, sandbox_cfg, snapshot: Snapshot | None = None) -> Validation:
-    """Run the hidden tests before and (twice) after the gold patch; derive F2P and P2P. Without
-    a `snapshot` the task's repo is imported for this run and dropped afterwards."""
+def validate(task: Task, sandbox_cfg, snapshot: Snapshot | None = None, runs_after: int = 2) -> Validation:
+    """Run the hidden tests before and `runs_after` times after the gold patch (two or more: a
+    test whose result changes is flaky); derive F2P and P2P. Without a `snapshot` the task's repo
+    is imported for this run and dropped afterwards."""
     gold = task.solution
     if not gold:
         return Validation(False, "no gold patch")
     base = snapshot or Snapshot.from_dir(task.repo_dir, sandbox_cfg.state_dir)
     try:
-        return _run(task, gold, base, sandbox_cfg)
+        return _run(task, gold, base, sandbox_cfg, runs_after)
     finally:
         if snapshot is None:  # imported here for this run only
             base.drop()
 
 
-def _run(task: Task, gold: str, base: Snapshot, sandbox_cfg) -> Validation:
+def _run(task: Task, gold: str, base: Snapshot, sandbox_cfg, runs_after: int) -> Validation:
     with create(base, sandbox_cfg) as sb:
         write_hidden_tests(sb, task)
         before = run_tests(sb, task.test_command, task.timeout_s)
@@ -58,7 +60,7 @@ def _run(task: Task, gold: str, base: Snapshot, sandbox_cfg) -> Validation:
             apply_patch_in(sb, gold)
         except (PatchError, OSError) as e:
             return Validation(False, f"gold patch does not apply: {e}")
-        after = [run_tests(sb, task.test_command, task.timeout_s) for _ in range(2)]
+        after = [run_tests(sb, task.test_command, task.timeout_s) for _ in range(max(1, runs_after))]
     return judge(before, after)
 
 

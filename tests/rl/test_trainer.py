@@ -109,3 +109,4 @@ def test_a_step_moves_logprobs_with_the_advantage_and_logs_the_metrics(setup, ag
     assert m["reward/kl"] == 0.0  # the reference is the starting policy
     assert m["lag"] == {"0": int(batch.mask.sum())}
     assert m["tokens_per_s"] > 0 and m["grad_norm"] > 0
+    assert m["rollouts"] == 4 and m["summarised"] == 0  # one segment each

@@ -59,6 +59,20 @@ def test_validate_derives_f2p_and_p2p(tmp_path, tcfg):
     assert v.pass_to_pass == ["tests/test_calc.py::test_mul"]
 
 
+FLIPS = ("import os\n\n\ndef test_flips():  # fails, passes, fails: each run flips a marker in the workdir\n"
+         "    here = os.path.exists('marker')\n    os.remove('marker') if here else open('marker', 'w').close()\n"
+         "    assert here\n")
+
+
+def test_a_flaky_test_is_caught_by_the_second_run_after_the_gold_patch(tmp_path, tcfg):
+    gold = make_task(tmp_path).solution
+    task = save_task(Task(id="calc-2", prompt="add is wrong"), str(tmp_path / "suite"), repo_src=str(tmp_path / "src"),
+                     hidden={"tests/test_calc.py": TESTS, "tests/test_flips.py": FLIPS}, solution=gold)
+    assert validate(task, tcfg).reason == "flaky tests: ['tests/test_flips.py::test_flips']"
+    once = validate(task, tcfg, runs_after=1)  # for callers that run the tests again later (SFT data)
+    assert once.ok and once.fail_to_pass == ["tests/test_calc.py::test_add", "tests/test_flips.py::test_flips"]
+
+
 def test_validate_rejects_bad_tasks(tmp_path, tcfg):
     no_fix = make_patch("calc.py", BUGGY, BUGGY + "\n# touched\n")
     assert validate(make_task(tmp_path, gold=no_fix), tcfg).reason == "no fail-to-pass test"
