@@ -110,7 +110,8 @@ def check_like_inference(seg: Segment, tok) -> None:
 def test_segment_tokens_reproduce_the_local_policys_tokens(tiny_checkpoint, tok, calc_box):
     # A real agent rollout: replies cut off by max_tokens, each one reported back as a user message.
     policy = LocalPolicy.from_checkpoint(tiny_checkpoint, SamplingParams(temperature=1.0, seed=0))
-    traj = Agent(policy, calc_box, HarnessConfig(tools=["read_file", "run_shell"], max_turns=3, max_turn_tokens=24)).run(
+    cfg = HarnessConfig(tools=["read_file", "run_shell"], max_turns=3, max_turn_tokens=24, summary_at=1.0)  # one segment
+    traj = Agent(policy, calc_box, cfg).run(
         "Fix add in calc.py.")
     assert len(traj.segments) == 1 and len(traj.turns) >= 2
     check_like_inference(traj.segments[0], tok)
