@@ -230,7 +230,7 @@ def start_engine(checkpoint: str, max_batch: int, speculative: bool = False):
     """The checkpoint's model and tokenizer in one engine (on the GPU when there is one), batching
     up to max_batch sequences, on a started EngineRunner; the caller closes it. Speculative: with
     the MTP drafter; otherwise with prefix reuse (2 x max_batch kept sequences), so each turn of a
-    rollout prefills only its new tokens."""
+    rollout prefills only its new tokens. No routes: only RL's router replay reads them."""
     import torch
 
     from kiln.engine import Engine
@@ -244,7 +244,8 @@ def start_engine(checkpoint: str, max_batch: int, speculative: bool = False):
         tok = load_tokenizer(checkpoint)
     except (ValueError, OSError) as e:  # CheckpointError is a ValueError
         raise BenchError(f"policy.checkpoint {checkpoint!r} cannot be loaded: {e}") from None
-    runner = EngineRunner(Engine(model, tok, mtp, max_batch=max_batch, prefix_slots=0 if mtp else 2 * max_batch))
+    runner = EngineRunner(Engine(model, tok, mtp, max_batch=max_batch, capture_routes=False,
+                                prefix_slots=0 if mtp else 2 * max_batch))
     runner.start()
     return runner
 

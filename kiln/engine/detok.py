@@ -11,6 +11,9 @@ class Detokenizer:
         self.tok, self.stop = tokenizer, stop
         self.ids: list[int] = []
         self.text = ""  # decoded so far, stop string excluded
+        # ids[:clean] decode to clean_text, which ends on a whole character: byte-level BPE decodes
+        # piecewise there, so each token decodes only the few ids after it (not all of them again)
+        self.clean, self.clean_text = 0, ""
         self.sent = 0  # characters of text already released as deltas
         self.stopped = False
 
@@ -19,9 +22,10 @@ class Detokenizer:
         if self.stopped:
             return ""
         self.ids.append(token_id)
-        text = self.tok.decode(self.ids)
+        text = self.clean_text + self.tok.decode(self.ids[self.clean:])
         if text.endswith("\ufffd"):  # an incomplete character: wait for the next token
             return ""
+        self.clean, self.clean_text = len(self.ids), text
         for s in self.stop:
             at = text.find(s, max(0, len(self.text) - len(s)))
             if at >= 0:

@@ -70,7 +70,16 @@ def sampling_probs(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
     return probs
 
 
+def draw(probs: torch.Tensor, gen: torch.Generator) -> int:
+    """One index of a 1-D distribution (not necessarily normalised) by inverting its CDF with one
+    uniform number: torch.multinomial draws a random number per entry, 8,192 per token here, and
+    was a third of the decoding thread's time. right=True never lands on a zero-probability entry."""
+    cdf = probs.float().cumsum(-1)
+    u = torch.rand(1, generator=gen) * cdf[-1]
+    return min(int(torch.searchsorted(cdf, u, right=True)), cdf.shape[-1] - 1)
+
+
 def sample_row(logits: torch.Tensor, p: SamplingParams, gen: torch.Generator) -> int:
     if p.greedy:
         return int(logits.argmax())
-    return int(torch.multinomial(sampling_probs(logits, p), 1, generator=gen))
+    return draw(sampling_probs(logits, p), gen)

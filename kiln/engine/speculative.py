@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 import torch
 
 from kiln.engine.native import MAX_TOKENS
-from kiln.engine.sampling import policy_logprobs, sample_row, sampling_probs
+from kiln.engine.sampling import draw, policy_logprobs, sample_row, sampling_probs
 from kiln.model.moe import rope_tables
 
 
@@ -85,7 +85,7 @@ def verify(r, logits: torch.Tensor, depth: int) -> tuple[list[tuple[int, float]]
                 y = int(logits[j].argmax())
             else:
                 resid = (p - q).clamp(min=0)
-                y = int(torch.multinomial(resid / resid.sum(), 1, generator=r.gen)) if resid.sum() > 0 \
+                y = draw(resid, r.gen) if resid.sum() > 0 \
                     else sample_row(logits[j], p_, r.gen)
             return new + [(y, float(lp[j, y]))], j
         new.append((d, float(lp[j, d])))
@@ -130,7 +130,7 @@ def draft(engine, start: int, reqs, hidden: torch.Tensor, start_positions: list[
                 r.draft_probs.append(None)
             else:
                 q = sampling_probs(logits[i], r.params)
-                r.drafts.append(int(torch.multinomial(q, 1, generator=r.gen)))
+                r.drafts.append(draw(q, r.gen))
                 r.draft_probs.append(q)
     for i, r in enumerate(reqs):
         r.mtp_tail = hidden[i, max(0, n_valid[i] - (mtp.depth - 1)):n_valid[i]] if mtp.depth > 1 else None

@@ -37,6 +37,21 @@ def test_deltas_concatenate_to_the_text_and_never_split_a_character(tok):
     assert out + detok.flush() == TEXT and detok.text == TEXT and not detok.stopped
 
 
+def test_text_equals_decoding_all_ids_at_once_for_any_token_sequence(tok):
+    # The detokenizer decodes only the ids after the last whole character; random ids (bytes that
+    # are not UTF-8 included) must still give exactly what one decode of every id gives.
+    import random
+
+    rng = random.Random(0)
+    for _ in range(50):
+        ids = [rng.randrange(tok.vocab_size) for _ in range(rng.randrange(1, 40))]
+        detok = Detokenizer(tok)
+        out = "".join(detok.push(i) for i in ids) + detok.flush()
+        full = tok.decode(ids)
+        assert out == detok.text == (full if not full.endswith("\ufffd") else out)
+        assert full.startswith(out)
+
+
 def test_stop_string_split_across_tokens_is_held_back_and_never_emitted(tok):
     text, stop = "x = 1  # STOP_HERE then more", "STOP_HERE"
     ids = tok.encode(text)

@@ -116,6 +116,19 @@ def test_sampled_tokens_respect_top_k_top_p_and_report_tempered_logprobs(model):
             assert (mass_before < params.top_p).all()
 
 
+def test_draw_follows_the_distribution_and_never_picks_a_zero():
+    from kiln.engine.sampling import draw, make_generator
+
+    weights = torch.tensor([0.0, 3.0, 0.0, 1.0, 6.0, 0.0])  # unnormalised, zeros at both ends
+    gen, n = make_generator(0), 20_000
+    counts = torch.bincount(torch.tensor([draw(weights, gen) for _ in range(n)]), minlength=6).float()
+    assert counts[[0, 2, 5]].sum() == 0
+    expected = weights / weights.sum() * n
+    # within 4 standard deviations of each binomial count
+    sd = (expected * (1 - weights / weights.sum())).sqrt()
+    assert ((counts - expected).abs() <= 4 * sd + 1e-9).all(), counts
+
+
 @pytest.mark.parametrize("kw, message", [
     ({"temperature": -0.5}, r"temperature must be >= 0 \(got -0.5\)"),
     ({"top_p": 0.0}, r"top_p must be in \(0, 1\] \(got 0.0\)"),
