@@ -195,7 +195,7 @@ class PretrainConfig(Section):
         # One level-1 toy rollout per row (~2,100 tokens, at most ~2,600): ~1.7 s a step on 2 cores,
         # two thirds of an epoch over the oracle's 1,200 rollouts. Many small steps at 2e-3 beat 60 steps of 4 rows
         # at 1e-3 (the tiny run's tool calls parsed 92% of the time against 28%, held-out oracle loss 0.47 against 1.09).
-        PhaseConfig(name="sft", kind="sft", steps=400, seq_len=2560, batch_size=2, lr=2e-3, warmup_steps=5),
+        PhaseConfig(name="sft", kind="sft", steps=400, seq_len=2560, batch_size=2, lr=1e-3, warmup_steps=5),
     ]
     schedule: Literal["cosine", "wsd"] = "cosine"
     min_lr_ratio: float = Field(0.1, ge=0, le=1)  # each phase ends at min_lr_ratio x its lr
