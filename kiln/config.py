@@ -279,6 +279,10 @@ class RLConfig(Section):
     aggregation: Literal["constant", "token_mean", "seq_mean"] = "constant"  # Dr. GRPO: constant
     loss_constant: float = Field(1024.0, gt=0)  # "constant": summed token terms / this
     scale_std: bool = False  # divide advantages by the group's std (GRPO) instead of Dr. GRPO's plain centring
+    # Zero the advantages of groups whose rollouts all solved or all failed (DAPO's dynamic-sampling
+    # filter, without resampling): there the length and behaviour terms alone would set the sign.
+    mixed_groups_only: bool = False
+    positive_only: bool = False  # clamp advantages at 0: rejection-sampling fine-tuning weighted by the advantage
     tis_cap: float | None = Field(None, gt=0)  # truncated importance sampling with the sampler's logprobs; None = off
     kl_coef: float = Field(0.0, ge=0)  # k1 estimate of KL to the frozen start policy, summed per rollout, in the reward
     replay_ratio: float = Field(0.5, ge=0, le=1)  # router replay's plausibility filter (model/moe.py)

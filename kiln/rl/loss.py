@@ -31,6 +31,15 @@ def group_advantages(rewards: torch.Tensor, groups: torch.Tensor, scale_std: boo
     return out
 
 
+def uniform_groups(correctness: torch.Tensor, groups: torch.Tensor) -> torch.Tensor:
+    """[N] bool: the rollout's group solved all or none of its rollouts alike (no correctness contrast)."""
+    out = torch.zeros(len(groups), dtype=torch.bool)
+    for g in torch.unique(groups):
+        at = groups == g
+        out[at] = bool((correctness[at] == correctness[at][0]).all())
+    return out
+
+
 def policy_loss(logp: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, aggregation: str = "constant",
                 constant: float = 1.0, sampler_logp: torch.Tensor | None = None,
                 tis_cap: float | None = None) -> torch.Tensor:

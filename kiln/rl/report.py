@@ -45,13 +45,21 @@ def rl_lines(rows: list[dict], plot_rel: str, group_size: int) -> list[str]:
     """Markdown lines for report.md."""
     if not rows:
         return ["No RL step finished.", ""]
-    first, last = rows[0], rows[-1]
+    last = rows[-1]
+    k = max(1, len(rows) // 4)  # one step's 2-3 groups are too few to read a trend from
+
+    def moved(key: str, fmt: str) -> str:
+        a, b = (sum(r[key] for r in part) / k for part in (rows[:k], rows[-k:]))
+        return f"{a:{fmt}} -> {b:{fmt}}"
+
     hist = lag_histogram(rows)
     n = sum(hist.values()) or 1
+    mixed = [r["groups_mixed"] for r in rows if "groups_mixed" in r]
     return [
-        (f"{len(rows)} trainer steps. Mean reward {first['reward_mean']:+.3f} (step 1) -> {last['reward_mean']:+.3f} "
-         f"(step {last['step']}); solved {first['solved_mean']:.2f} -> {last['solved_mean']:.2f} (mean), "
-         f"{first['solved_best_of_k']:.2f} -> {last['solved_best_of_k']:.2f} (best of {group_size})."),
+        (f"{len(rows)} trainer steps. Means over the first and the last {k} step(s): reward "
+         f"{moved('reward_mean', '+.3f')}; solved {moved('solved_mean', '.2f')} (mean), "
+         f"{moved('solved_best_of_k', '.2f')} (best of {group_size})."
+         + (f" {sum(mixed)} of the groups held both a solve and a failure." if mixed else "")),
         (f"{sum(r.get('summarised', 0) for r in rows)} of {sum(r.get('rollouts', 0) for r in rows)} rollouts "
          "self-summarised at least once."),
         (f"Train/inference mismatch KL (k3) at the last step {last.get('mismatch_kl_k3', float('nan')):.2e}; "

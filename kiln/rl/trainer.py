@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from .batch import Batch, collate, sequences
-from .loss import group_advantages, policy_loss
+from .loss import group_advantages, policy_loss, uniform_groups
 from .rewards import k1
 
 ROWS_PER_CHUNK = 4
@@ -78,6 +78,11 @@ class RLTrainer:
                     kl.index_add_(0, batch.traj[rows], (k1(pol, ref) * batch.mask[rows]).sum(1))
         reward = torch.tensor([sum(a.values()) for a in axes]) - rl.kl_coef * kl
         adv = group_advantages(reward, gid, scale_std=rl.scale_std)
+        uniform = uniform_groups(torch.tensor([a["correctness"] for a in axes]), gid)
+        if rl.mixed_groups_only:  # DAPO's filter: without a solve/fail contrast only the side terms would teach
+            adv[uniform] = 0.0
+        if rl.positive_only:  # learn from what went better than the group, never push a sample down
+            adv = adv.clamp(min=0.0)
 
         self.opt.zero_grad(set_to_none=True)
         loss_sum, replaced = 0.0, 0
@@ -95,7 +100,7 @@ class RLTrainer:
         return {"version": self.version, "loss": loss_sum, "grad_norm": grad_norm, "replaced_experts": replaced,
                 **_mismatch(trainer_lp, batch), **_reward_metrics(groups, reward, kl),
                 **_tokens(trajs), "lag": _lag(batch, self.version - 1),
-                "train_tokens": int(n_tokens), "step_s": time.monotonic() - t0,
+                "groups_mixed": len(groups) - len(set(gid[uniform].tolist())), "train_tokens": int(n_tokens), "step_s": time.monotonic() - t0,
                 "tokens_per_s": n_tokens / max(time.monotonic() - t0, 1e-9)}
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kiln.rl.loss import group_advantages, policy_loss
+from kiln.rl.loss import group_advantages, policy_loss, uniform_groups
 
 
 def test_group_advantages_subtract_the_group_mean_and_optionally_scale():
@@ -14,6 +14,12 @@ def test_group_advantages_subtract_the_group_mean_and_optionally_scale():
     s = (2 / 9) ** 0.5  # population std of (1, 0, 0)
     torch.testing.assert_close(group_advantages(r, g, scale_std=True),
                                torch.tensor([2 / 3 / s, -1 / 3 / s, -1 / 3 / s, 0.0, 0.0, 0.0]), atol=1e-5, rtol=1e-5)
+
+
+def test_uniform_groups_are_those_without_a_solve_fail_contrast():
+    c = torch.tensor([1.0, 0.0, 0.0, 0.0, 1.0, 1.0])
+    g = torch.tensor([0, 0, 1, 1, 2, 2])
+    assert uniform_groups(c, g).tolist() == [False, False, True, True, True, True]
 
 
 # Two sequences: 3 and 1 generated tokens; advantages +1 and -2.

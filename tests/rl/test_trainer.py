@@ -110,3 +110,31 @@ def test_a_step_moves_logprobs_with_the_advantage_and_logs_the_metrics(setup, ag
     assert m["lag"] == {"0": int(batch.mask.sum())}
     assert m["tokens_per_s"] > 0 and m["grad_norm"] > 0
     assert m["rollouts"] == 4 and m["summarised"] == 0  # one segment each
+
+
+@pytest.mark.parametrize("mixed_only", [False, True])
+def test_mixed_groups_only_leaves_a_group_without_a_solve_untrained(setup, mixed_only):
+    """Two failed rollouts that differ only in length: the length term trains them unless filtered."""
+    ckpt, trajs = setup
+    model, _ = load_checkpoint(ckpt, with_mtp=False)
+    rl = Config().rl.model_copy(update={"lr": 3e-3, "temperature": 1.0, "mixed_groups_only": mixed_only})
+    trainer = RLTrainer(model, rl, version=0)
+    before = [p.detach().clone() for p in model.parameters()]
+    m = trainer.step([Group(0, "a", "k", trajs[:2], [{"correctness": 0.0, "length": -0.1},
+                                                     {"correctness": 0.0, "length": -0.3}])])
+    moved = any(not torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    assert moved is not mixed_only
+    assert m["groups_mixed"] == 0
+
+
+@pytest.mark.parametrize("positive_only", [False, True])
+def test_positive_only_drops_the_failed_rollouts_from_the_loss(setup, positive_only):
+    ckpt, trajs = setup
+    model, _ = load_checkpoint(ckpt, with_mtp=False)
+    rl = Config().rl.model_copy(update={"temperature": 1.0, "positive_only": positive_only})
+    m = RLTrainer(model, rl, version=0).step([Group(0, "a", "k", trajs[:2], [{"correctness": 1.0},
+                                                                            {"correctness": 0.0}])])
+    n = [sum(len(tr.completion_ids) for tr in t.turns) for t in trajs[:2]]  # generated tokens per rollout
+    # Dr. GRPO: -sum(A * ratio) / constant with ratio 1 at the sampled weights; A = +0.5 and -0.5
+    want = (-0.5 * n[0] + (0 if positive_only else 0.5 * n[1])) / rl.loss_constant
+    assert m["loss"] == pytest.approx(want, rel=1e-5)
