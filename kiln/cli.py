@@ -5,7 +5,7 @@ Stage modules are imported inside their commands so `kiln --help` and `--dry-run
 
 from __future__ import annotations
 
-from typing import Annotated, Optional
+from typing import Annotated, NoReturn, Optional
 
 import typer
 
@@ -32,6 +32,12 @@ DryRun = Annotated[bool, typer.Option("--dry-run", help="Print the resolved conf
 
 
 _root_config: str | None = None  # `kiln -c NAME <command>`: set by the app callback
+
+
+def fail(message: str) -> NoReturn:
+    """A user mistake: one `error:` line on stderr and exit 2, no traceback."""
+    typer.echo(f"error: {message}", err=True)
+    raise typer.Exit(2)
 
 
 def resolve(config: str | None, overrides: list[str] | None, dry_run: bool) -> Config:
@@ -83,8 +89,7 @@ def speedrun(overrides: Overrides = None, config: ConfigOpt = None, dry_run: Dry
     try:
         run_all(cfg, echo=typer.echo)
     except (PretrainError, CorpusError, SftDataError, CheckpointError, BenchError, RLError) as e:
-        typer.echo(f"error: {e}", err=True)
-        raise typer.Exit(2) from None
+        fail(str(e))
 
 
 @app.command()
@@ -107,8 +112,7 @@ def agent(
     try:
         pol = make_policy(cfg.policy, patch=open(patch).read() if patch else None, test_command=test)
     except (ValueError, OSError) as e:
-        typer.echo(f"error: {e}", err=True)
-        raise typer.Exit(2) from None
+        fail(str(e))
     run_session(cfg, pol, repo, prompt, apply=apply, out=out)
 
 

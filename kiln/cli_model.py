@@ -2,17 +2,14 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, NoReturn
+from typing import Annotated
 
 import typer
 
+from kiln.cli import fail
+
 tokenizer_app = typer.Typer(help="Train and inspect the byte-level BPE tokenizer.", no_args_is_help=True)
 probe_app = typer.Typer(help="Measure what a checkpoint can do, without an agent.", no_args_is_help=True)
-
-
-def _fail(message: str) -> NoReturn:
-    typer.echo(f"error: {message}", err=True)
-    raise typer.Exit(2)
 
 
 @tokenizer_app.command("train")
@@ -35,13 +32,13 @@ def train(out: Annotated[str, typer.Option("--out", help="Folder to write the to
     try:
         files = list_corpus_files(Path(r) for r in roots)
     except FileNotFoundError as e:
-        _fail(str(e))
+        fail(str(e))
     if not files:
-        _fail(f"no corpus files under {', '.join(roots)} (folders are searched for source and text files)")
+        fail(f"no corpus files under {', '.join(roots)} (folders are searched for source and text files)")
     try:
         result = train_tokenizer(files, Path(out), vocab, int(max_mb * 1e6), progress=True)
     except ValueError as e:
-        _fail(str(e))
+        fail(str(e))
     sample = bytes_per_token(result.tokenizer, iter_corpus(files, 1_000_000))  # the first MB of the corpus
     typer.echo(f"tokenizer -> {out}: {result.files} files, {result.bytes_read / 1e6:.1f} MB read, "
                f"vocab {result.tokenizer.vocab_size}, {result.seconds:.1f} s, {sample:.2f} bytes/token on a 1 MB sample")
@@ -55,7 +52,7 @@ def encode(text: Annotated[str, typer.Argument(help="The text to encode.")],
     try:
         tok = load_tokenizer(Path(tokenizer))
     except (FileNotFoundError, ValueError) as e:
-        _fail(str(e))
+        fail(str(e))
     ids = tok.encode(text)
     typer.echo(f"{len(ids)} tokens: {ids}")
     for i in ids:
@@ -81,12 +78,12 @@ def probe_copy(checkpoints: Annotated[list[str], typer.Argument(help="Checkpoint
     try:
         text = Path(heldout).read_text(encoding="utf-8") if heldout else None
     except (OSError, UnicodeDecodeError) as e:
-        _fail(f"--heldout {heldout}: {e}")
+        fail(f"--heldout {heldout}: {e}")
     for ckpt in checkpoints:
         try:
             r = probe_checkpoint(ckpt, text, n=n, span=span, seed=seed)
         except (CheckpointError, FileNotFoundError, ValueError) as e:
-            _fail(f"{ckpt}: {e}")
+            fail(f"{ckpt}: {e}")
         if as_json:
             typer.echo(json.dumps({"checkpoint": ckpt, **r}))
             continue
@@ -125,7 +122,7 @@ def serve(checkpoint: Annotated[str, typer.Option("--checkpoint", help="A checkp
                               model_name=model_name, admin_token=admin_token, request_timeout=request_timeout,
                               dtype=dtype, device=device, access_log=True)
     except (CheckpointError, SafetensorError, FileNotFoundError, ValueError, OSError) as e:
-        _fail(str(e))
+        fail(str(e))
     typer.echo(f"serving {server.app.model_name} at {server.url}/v1 (Ctrl-C stops)")
     try:
         server.wait()
@@ -154,7 +151,7 @@ def probe_edit(checkpoints: Annotated[list[str], typer.Argument(help="Checkpoint
         try:
             r = probe_edits_checkpoint(ckpt, trajectories)
         except (CheckpointError, FileNotFoundError, SftDataError, ValueError) as e:
-            _fail(f"{ckpt}: {e}")
+            fail(f"{ckpt}: {e}")
         if as_json:
             typer.echo(json.dumps({"checkpoint": ckpt, **r}))
             continue

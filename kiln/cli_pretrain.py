@@ -3,18 +3,13 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
-from typing import Annotated, NoReturn
+from typing import Annotated
 
 import typer
 
-from kiln.cli import ConfigOpt, DryRun, Overrides, resolve
+from kiln.cli import ConfigOpt, DryRun, Overrides, fail, resolve
 
 corpus_app = typer.Typer(help="Build and describe the continued-pretraining corpus.", no_args_is_help=True)
-
-
-def _fail(message: str) -> NoReturn:
-    typer.echo(f"error: {message}", err=True)
-    raise typer.Exit(2)
 
 
 @corpus_app.command("build")
@@ -33,12 +28,12 @@ def build(overrides: Overrides = None, config: ConfigOpt = None, dry_run: DryRun
     try:
         tok = load_tokenizer(Path(tokenizer))
     except (FileNotFoundError, ValueError) as e:
-        _fail(str(e))
+        fail(str(e))
     out, start = corpus_dir(cfg), time.monotonic()
     try:
         meta = build_corpus(cfg.corpus, tok, out, cfg.run.seed, progress=True, tokenizer_path=str(tokenizer))
     except (FileNotFoundError, ValueError) as e:
-        _fail(str(e))
+        fail(str(e))
     typer.echo(describe_corpus(meta))
     typer.echo(f"corpus -> {out} in {time.monotonic() - start:.1f} s")
 
@@ -52,5 +47,5 @@ def stats(corpus: Annotated[str, typer.Argument(help="A folder written by `kiln 
     try:
         meta = TokenShards(corpus).meta
     except CorpusError as e:
-        _fail(str(e))
+        fail(str(e))
     typer.echo(describe_corpus(meta))

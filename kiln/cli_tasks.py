@@ -6,11 +6,13 @@ and `bench`. Each command resolves the config through cli.resolve like every oth
 from __future__ import annotations
 
 import os
+import re
+import tempfile
 from typing import Annotated, Optional
 
 import typer
 
-from kiln.cli import ConfigOpt, DryRun, Overrides, resolve
+from kiln.cli import ConfigOpt, DryRun, Overrides, fail, resolve
 
 tasks_app = typer.Typer(help="Make, import, export and describe task suites.", no_args_is_help=True)
 
@@ -27,8 +29,7 @@ def _repo(path: str, work: str) -> str:
         from kiln.tasks.builtin import materialize_toolz
         return materialize_toolz(os.path.join(work, "toolz-repo"))
     if not os.path.isdir(path):
-        typer.echo(f"error: --repo {path!r} is not a directory", err=True)
-        raise typer.Exit(2)
+        fail(f"--repo {path!r} is not a directory")
     return path
 
 
@@ -40,33 +41,43 @@ def toy(out: Out, n: Annotated[int, typer.Option("--n", help="Number of tasks.")
     """Procedurally generated mini-repositories with one defect or missing feature each."""
     cfg = resolve(config, overrides, dry_run)
     from kiln.tasks.toy import generate_toy
-    typer.echo(str(generate_toy(out, n, seed=seed, level=level, split=split, sandbox_cfg=cfg.sandbox, workers=workers)))
+    try:  # level, split and seed are checked before any work; a failing candidate is counted, not raised
+        y = generate_toy(out, n, seed=seed, level=level, split=split, sandbox_cfg=cfg.sandbox, workers=workers)
+    except ValueError as e:
+        fail(str(e))
+    typer.echo(str(y))
 
 
-def _real(kind: str, repo: str, out: str, max_n, seed: int, workers: int, cfg) -> None:
-    import tempfile
+def _real(repo: str, generate) -> None:
+    """Run `generate(path, source)` on --repo; a repository it cannot work from is an error line."""
+    from kiln.tasks.gen import GeneratorError
     with tempfile.TemporaryDirectory(prefix="kiln-src-") as work:
         path = _repo(repo, work)
-        if kind == "mutate":
-            from kiln.tasks.mutate import generate_mutants as gen
-        else:
-            from kiln.tasks.delete_feature import generate_feature_deletions as gen
-        typer.echo(str(gen(path, out, cfg.sandbox, max_tasks=max_n, seed=seed, workers=workers,
-                           source=repo if repo.startswith("builtin:") else None)))
+        try:
+            y = generate(path, repo if repo.startswith("builtin:") else None)
+        except GeneratorError as e:
+            fail(str(e))
+    typer.echo(str(y))
 
 
 @tasks_app.command("mutate")
 def mutate(repo: Repo, out: Out, max_n: MaxN = None, seed: Seed = 0, workers: Workers = 2,
            overrides: Overrides = None, config: ConfigOpt = None, dry_run: DryRun = False):
     """Bug injection into a repository whose tests pass; keeps mutants that break some tests."""
-    _real("mutate", repo, out, max_n, seed, workers, resolve(config, overrides, dry_run))
+    cfg = resolve(config, overrides, dry_run)
+    from kiln.tasks.mutate import generate_mutants
+    _real(repo, lambda path, source: generate_mutants(path, out, cfg.sandbox, max_tasks=max_n, seed=seed,
+                                                      workers=workers, source=source))
 
 
 @tasks_app.command("delete-feature")
 def delete_feature(repo: Repo, out: Out, max_n: MaxN = None, seed: Seed = 0, workers: Workers = 2,
                    overrides: Overrides = None, config: ConfigOpt = None, dry_run: DryRun = False):
     """Remove a function or class; its tests become the hidden tests; the prompt asks for it."""
-    _real("delete-feature", repo, out, max_n, seed, workers, resolve(config, overrides, dry_run))
+    cfg = resolve(config, overrides, dry_run)
+    from kiln.tasks.delete_feature import generate_feature_deletions
+    _real(repo, lambda path, source: generate_feature_deletions(path, out, cfg.sandbox, max_tasks=max_n, seed=seed,
+                                                                workers=workers, source=source))
 
 
 @tasks_app.command("mine")
@@ -75,14 +86,29 @@ def mine(repo: Repo, out: Out, max_n: MaxN = None, overrides: Overrides = None, 
     """Commits that change source and tests together become tasks (repo at the parent commit)."""
     cfg = resolve(config, overrides, dry_run)
     from kiln.tasks.mine import mine_commits
-    typer.echo(str(mine_commits(_repo(repo, ""), out, cfg.sandbox, max_tasks=max_n)))
+    _real(repo, lambda path, source: mine_commits(path, out, cfg.sandbox, max_tasks=max_n, source=source))
 
 
 @tasks_app.command("stats")
 def stats(suites: Annotated[list[str], typer.Argument(help="Suite folders.")]):
     """Tasks, median prompt characters, median gold lines changed, categories, next to CursorBench and SWE-bench."""
+    from kiln.tasks.record import TaskError
     from kiln.tasks.stats import format_stats, suite_stats
-    typer.echo(format_stats({s: suite_stats(s) for s in suites}))
+    try:
+        typer.echo(format_stats({s: suite_stats(s) for s in suites}))
+    except TaskError as e:
+        fail(str(e))
+
+
+def _batch_done(imported: int, skipped: list[str], out: str) -> None:
+    """End a batch import: each bad item was skipped and is named with its reason here; only a
+    batch that imported nothing fails, so one bad row or folder costs itself, not the batch."""
+    for reason in skipped:
+        typer.echo(f"skipped {reason}", err=True)
+    tail = f"; skipped {len(skipped)} (reasons above)" if skipped else ""
+    if not imported:
+        fail(f"nothing imported into {out}{tail}")
+    typer.echo(f"imported {imported} task{'s' if imported != 1 else ''} into {out}{tail}")
 
 
 @tasks_app.command("import-swebench")
@@ -90,42 +116,70 @@ def import_swebench_cmd(rows: Annotated[str, typer.Argument(help="JSONL of SWE-b
                         repos: Annotated[str, typer.Option("--repos", help="Folder of local clones.")], out: Out,
                         validate: Annotated[bool, typer.Option("--validate", help="Run the gold patch first.")] = False,
                         overrides: Overrides = None, config: ConfigOpt = None, dry_run: DryRun = False):
-    """Import SWE-bench instance rows (with local clones of their repositories)."""
+    """Import SWE-bench instance rows (with local clones of their repositories). A bad row is skipped
+    and named with its row number, instance_id and reason; the command fails only if none imports."""
     cfg = resolve(config, overrides, dry_run)
     from kiln.tasks.swebench import import_swebench
-    tasks = import_swebench(rows, repos, out, sandbox_cfg=cfg.sandbox, validate=validate)
-    typer.echo(f"imported {len(tasks)} tasks into {out}")
+    if not os.path.isdir(repos):
+        fail(f"--repos {repos!r} is not a directory")
+    errors: list[tuple[str, str]] = []
+    try:
+        tasks = import_swebench(rows, repos, out, sandbox_cfg=cfg.sandbox, validate=validate, errors=errors)
+    except OSError as e:
+        fail(f"{rows}: {e.strerror or e}")
+    except ValueError as e:  # the file as a whole: not UTF-8, not JSON rows, empty
+        fail(str(e))
+    _batch_done(len(tasks), [msg for _, msg in errors], out)
+
+
+# click allows one variadic argument per command, so the folders share it with the overrides,
+# told apart by the overrides' dotted `section.key=` form.
+_OVERRIDE = re.compile(r"^[A-Za-z_]\w*(\.\w+)+=")
 
 
 @tasks_app.command("import-harbor")
-def import_harbor_cmd(folders: Annotated[list[str], typer.Argument(help="Harbor / Terminal-Bench task folders.")],
-                      out: Out, validate: Annotated[bool, typer.Option("--validate")] = False,
-                      overrides: Overrides = None, config: ConfigOpt = None, dry_run: DryRun = False):
-    """Import Harbor (Terminal-Bench 2) or Terminal-Bench 1 task folders."""
-    cfg = resolve(config, overrides, dry_run)
+def import_harbor_cmd(args: Annotated[list[str], typer.Argument(
+                          metavar="FOLDER", help="Task folders, then any dotted key=value overrides.")],
+                      out: Out, validate: Annotated[bool, typer.Option(
+                          "--validate", help="Derive the test lists from runs of the solution.")] = False,
+                      config: ConfigOpt = None, dry_run: DryRun = False):
+    """Import Harbor (Terminal-Bench 2) or Terminal-Bench 1 task folders. A folder that cannot be
+    imported is skipped and named with its reason; the command fails only if none imports."""
+    folders = [a for a in args if not _OVERRIDE.match(a)]
+    cfg = resolve(config, [a for a in args if _OVERRIDE.match(a)], dry_run)
+    if not folders:
+        fail("no task folders given")
     from kiln.tasks.harbor import import_harbor, import_tb1
+    imported, skipped = 0, []
     for f in folders:
         fn = import_tb1 if os.path.exists(os.path.join(f, "task.yaml")) else import_harbor
-        typer.echo(f"imported {fn(f, out, sandbox_cfg=cfg.sandbox, validate=validate).id}")
+        try:
+            typer.echo(f"imported {fn(f, out, sandbox_cfg=cfg.sandbox, validate=validate).id}")
+            imported += 1
+        except (ValueError, OSError) as e:  # TaskError is a ValueError
+            skipped.append(str(e))
+    _batch_done(imported, skipped, out)
 
 
 @tasks_app.command("export")
 def export_cmd(suite: Annotated[str, typer.Argument(help="A kiln suite (or one task folder).")],
                fmt: Annotated[str, typer.Option("--format", help="harbor or swebench.")], out: Out):
     """Export kiln tasks as Harbor folders or SWE-bench rows (out/rows.jsonl)."""
+    if fmt not in ("harbor", "swebench"):
+        fail(f"--format {fmt!r}: use harbor or swebench")
+    from kiln.tasks.harbor import export_harbor
     from kiln.tasks.record import load_suite
-    tasks = load_suite(suite)
-    os.makedirs(out, exist_ok=True)
-    if fmt == "harbor":
-        from kiln.tasks.harbor import export_harbor
-        for t in tasks:
-            export_harbor(t, out)
-    elif fmt == "swebench":
-        from kiln.tasks.swebench import export_swebench, write_rows
-        write_rows(os.path.join(out, "rows.jsonl"), [export_swebench(t) for t in tasks])
-    else:
-        typer.echo(f"error: --format {fmt!r}: use harbor or swebench", err=True)
-        raise typer.Exit(2)
+    from kiln.tasks.swebench import export_swebench, write_rows
+    try:
+        tasks = load_suite(suite)
+        os.makedirs(out, exist_ok=True)
+        if fmt == "harbor":
+            for t in tasks:
+                export_harbor(t, out)
+        else:
+            write_rows([export_swebench(t) for t in tasks], os.path.join(out, "rows.jsonl"))
+    except (ValueError, OSError) as e:  # TaskError is a ValueError
+        fail(str(e))
     typer.echo(f"exported {len(tasks)} tasks to {out}")
 
 
@@ -144,10 +198,13 @@ def bench(suite: Annotated[Optional[str], typer.Option("--suite", help="Suite fo
     cfg = resolve(config, extra + (overrides or []), dry_run)
     b = cfg.bench
     if not b.suite:
-        typer.echo("error: no suite: pass --suite DIR (a folder of task folders)", err=True)
-        raise typer.Exit(2)
+        fail("no suite: pass --suite DIR (a folder of task folders)")
     out_dir = b.out_dir or os.path.join(cfg.run.out_dir, cfg.run.name, f"bench-{b.policy}")
-    from kiln.bench.run import run_bench
-    s = run_bench(b.suite, b.policy, passes=b.passes, workers=b.workers, out_dir=out_dir, config=cfg)
+    from kiln.bench.run import BenchError, run_bench
+    from kiln.tasks.record import TaskError
+    try:
+        s = run_bench(b.suite, b.policy, passes=b.passes, workers=b.workers, out_dir=out_dir, config=cfg)
+    except (TaskError, BenchError) as e:
+        fail(str(e))
     typer.echo(f"{s['n_tasks']} tasks x {s['passes']} passes: correctness {s['correctness_mean']:.3f}; "
                f"report: {os.path.join(out_dir, 'report.md')}")

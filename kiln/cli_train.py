@@ -7,7 +7,7 @@ from typing import Annotated
 
 import typer
 
-from kiln.cli import ConfigOpt, DryRun, Overrides, resolve
+from kiln.cli import ConfigOpt, DryRun, Overrides, fail, resolve
 
 
 def pretrain_cmd(
@@ -32,8 +32,7 @@ def pretrain_cmd(
     try:
         summary = pretrain(cfg, corpus_dir, tokenizer_dir, os.path.join(run_root, "pretrain"), init=init)
     except (PretrainError, CorpusError, CheckpointError) as e:
-        typer.echo(f"error: {e}", err=True)
-        raise typer.Exit(2) from None
+        fail(str(e))
     final = summary["final_eval"]
     if final:
         typer.echo(f"held-out: {final['nll_per_token']:.4f} nats/token, {final['bits_per_byte']:.4f} bits/byte")
@@ -72,8 +71,7 @@ def sft_cmd(
                 cfg.sft.oracle_level or None)]
         summary = sft(cfg, ckpt, sources, os.path.join(run_root, "sft"))
     except (PretrainError, SftDataError, CheckpointError, BenchError) as e:
-        typer.echo(f"error: {e}", err=True)
-        raise typer.Exit(2) from None
+        fail(str(e))
     typer.echo(f"final loss on assistant tokens: {summary['final_loss']:.4f}")
     typer.echo(f"checkpoint: {summary['checkpoint']}")
 
@@ -95,8 +93,7 @@ def rl_cmd(
     try:
         summary = run_rl(cfg, ckpt, rl_dir_of(cfg))
     except RLError as e:
-        typer.echo(f"error: {e}", err=True)
-        raise typer.Exit(2) from None
+        fail(str(e))
     last = summary["metrics"][-1] if summary["metrics"] else {}
     typer.echo(f"rl: {len(summary['metrics'])} steps; last reward {last.get('reward_mean', float('nan')):+.3f}")
     typer.echo(f"checkpoint: {summary['checkpoint']}")

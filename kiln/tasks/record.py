@@ -117,6 +117,8 @@ def load_suite(path: str) -> list[Task]:
     """Every task folder under `path` (a suite), sorted by id."""
     if os.path.exists(os.path.join(path, "task.toml")):
         return [load_task(path)]
+    if not os.path.isdir(path):
+        raise TaskError(f"{path}: no such folder")
     dirs = sorted(d for d in os.listdir(path) if os.path.exists(os.path.join(path, d, "task.toml")))
     if not dirs:
         raise TaskError(f"{path}: no task folders (each needs a task.toml)")

@@ -16,22 +16,34 @@ import shutil
 import subprocess
 import tempfile
 
-from .patch import PatchError, apply_file_patch, gold_stats, make_patch, parse_patch
+from .patch import apply_file_patch, gold_stats, make_patch, parse_patch
 from .record import DEFAULT_TEST_COMMAND, Task, TaskError, save_task
 
 ROW_FIELDS = ("instance_id", "repo", "base_commit", "patch", "test_patch", "problem_statement", "hints_text",
               "created_at", "version", "environment_setup_commit", "FAIL_TO_PASS", "PASS_TO_PASS")
+_REQUIRED = ("instance_id", "repo", "base_commit", "patch", "test_patch", "problem_statement")
 _IN_RECORD = {"instance_id", "patch", "test_patch", "problem_statement", "FAIL_TO_PASS", "PASS_TO_PASS"}
 _BAD_ID = str.maketrans({c: "_" for c in "/\\: "})
 
 
-def load_rows(path: str) -> list[dict]:
-    """Rows of a JSONL file (one instance a line) or of a JSON array."""
-    with open(path, encoding="utf-8") as f:
-        text = f.read()
+def load_rows(path: str) -> list[tuple[int, str]]:
+    """(number, JSON text) of each row: a JSONL file's non-blank lines, numbered by line, or a JSON
+    array's elements. Rows are parsed one by one, so a malformed line is one bad row."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+    except UnicodeDecodeError as e:
+        raise TaskError(f"{path}: not UTF-8 text: {e}") from None
     if text.lstrip().startswith("["):
-        return json.loads(text)
-    return [json.loads(line) for line in text.splitlines() if line.strip()]
+        try:
+            rows = [(n, json.dumps(r)) for n, r in enumerate(json.loads(text), 1)]
+        except json.JSONDecodeError as e:
+            raise TaskError(f"{path}: not a JSON array: {e}") from None
+    else:
+        rows = [(n, line) for n, line in enumerate(text.splitlines(), 1) if line.strip()]
+    if not rows:
+        raise TaskError(f"{path}: no rows")
+    return rows
 
 
 def import_swebench(jsonl_path: str, repos_dir: str, out_dir: str, sandbox_cfg=None, validate: bool = False,
@@ -40,8 +52,10 @@ def import_swebench(jsonl_path: str, repos_dir: str, out_dir: str, sandbox_cfg=N
     must make every FAIL_TO_PASS test pass and keep every PASS_TO_PASS test. A bad row raises
     TaskError, or, when an `errors` list is given, is skipped and recorded there as (id, message)."""
     tasks = []
-    for n, row in enumerate(load_rows(jsonl_path), 1):
+    for n, text in load_rows(jsonl_path):
+        row = {}
         try:
+            row = _parse_row(text)
             task = import_row(row, repos_dir, out_dir)
             if validate:
                 try:
@@ -50,7 +64,7 @@ def import_swebench(jsonl_path: str, repos_dir: str, out_dir: str, sandbox_cfg=N
                     shutil.rmtree(task.path, ignore_errors=True)
                     raise
             tasks.append(task)
-        except (TaskError, PatchError, OSError, subprocess.CalledProcessError) as e:
+        except (ValueError, OSError, subprocess.CalledProcessError) as e:  # TaskError and PatchError are ValueErrors
             msg = f"{jsonl_path}:{n} ({row.get('instance_id', '?')}): {e}"
             if errors is None:
                 raise TaskError(msg) from None
@@ -58,11 +72,23 @@ def import_swebench(jsonl_path: str, repos_dir: str, out_dir: str, sandbox_cfg=N
     return tasks
 
 
+def _parse_row(text: str) -> dict:
+    try:
+        row = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise TaskError(f"not JSON: {e}") from None
+    if not isinstance(row, dict):
+        raise TaskError(f"not a JSON object: {text[:80]}")
+    return row
+
+
 def import_row(row: dict, repos_dir: str, out_dir: str) -> Task:
-    missing = [k for k in ("instance_id", "repo", "base_commit", "patch", "test_patch", "problem_statement")
-               if k not in row]
+    missing = [k for k in _REQUIRED if k not in row]
     if missing:
         raise TaskError(f"missing field(s) {missing}")
+    not_text = [k for k in _REQUIRED if not isinstance(row[k], str)]
+    if not_text:
+        raise TaskError(f"field(s) {not_text} must be strings")
     clone = find_clone(repos_dir, row["repo"])
     iid = row["instance_id"]
     task_id = iid.translate(_BAD_ID)

@@ -1,0 +1,144 @@
+"""Every `kiln` command's --help, and the `kiln tasks` / `kiln bench` paths run for real on small
+inputs: imports that skip bad rows and folders, exports, stats, and the one `error:` line (exit 2,
+no traceback) each user mistake gets."""
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import typer.main
+from typer.testing import CliRunner
+
+from kiln.cli import app
+from kiln.tasks.record import load_suite
+from kiln.tasks.swebench import export_swebench, write_rows
+from tests.tasks.test_harbor import harbor_folder
+from tests.tasks.test_stats import small_suite  # noqa: F401 (a fixture: three unvalidated toy tasks)
+from tests.tasks.test_swebench import row_file  # noqa: F401 (a fixture: a local clone and its row)
+
+runner = CliRunner()
+
+
+def commands(cmd, path=()):
+    """(path, click command) for the app and every command and subcommand under it."""
+    yield path, cmd
+    for name, sub in getattr(cmd, "commands", {}).items():
+        yield from commands(sub, (*path, name))
+
+
+COMMANDS = list(commands(typer.main.get_command(app)))
+
+
+@pytest.mark.parametrize("path, cmd", COMMANDS, ids=[" ".join(p) or "kiln" for p, _ in COMMANDS])
+def test_help(path, cmd):
+    result = runner.invoke(app, [*path, "--help"])
+    assert result.exit_code == 0, result.output
+    shown = " ".join(result.stdout.split())  # rich wraps the text to the terminal
+    assert cmd.help and " ".join(cmd.help.split("\n\n")[0].split()) in shown
+    for name in getattr(cmd, "commands", {}):
+        assert name in shown
+
+
+def invoke(*args):
+    result = runner.invoke(app, [str(a) for a in args])
+    assert "Traceback" not in result.output
+    return result
+
+
+def test_import_harbor_imports_good_folders_and_skips_bad_ones(tmp_path, tcfg):
+    good, out = harbor_folder(tmp_path / "add-fix"), tmp_path / "suite"
+    (tmp_path / "empty").mkdir()
+    result = invoke("tasks", "import-harbor", good, tmp_path / "empty", "--out", out,
+                    f"sandbox.state_dir={tcfg.state_dir}")
+    assert result.exit_code == 0, result.output
+    assert "imported add-fix" in result.stdout and f"imported 1 task into {out}; skipped 1" in result.stdout
+    assert result.stderr == f"skipped {tmp_path / 'empty'}: no instruction.md (is this a Harbor task folder?)\n"
+    [task] = load_suite(str(out))
+    assert task.id == "add-fix" and "+    return a + b" in task.solution  # solve.sh ran in the sandbox
+
+    result = invoke("tasks", "import-harbor", tmp_path / "empty", "--out", out)
+    assert result.exit_code == 2
+    assert result.stderr.splitlines()[-1] == f"error: nothing imported into {out}; skipped 1 (reasons above)"
+    result = invoke("tasks", "import-harbor", good, "--out", out, "sandbox.memroy_mb=1")  # overrides still parse
+    assert result.exit_code == 2 and "error: unknown config key 'sandbox.memroy_mb'" in result.stderr
+
+
+def test_import_swebench_imports_good_rows_and_names_each_bad_one(row_file, tmp_path):  # noqa: F811
+    root, row = row_file
+    rows, out = tmp_path / "rows.jsonl", tmp_path / "suite"
+    no_patch = {k: v for k, v in row.items() if k != "patch"} | {"instance_id": "acme__calc-3"}
+    write_rows([dict(row, instance_id="other-1", repo="acme/nowhere"), row, no_patch], str(rows))
+    with open(rows, "a") as f:
+        f.write("{not json\n")
+    result = invoke("tasks", "import-swebench", rows, "--repos", root / "repos", "--out", out)
+    assert result.exit_code == 0, result.output
+    assert result.stdout == f"imported 1 task into {out}; skipped 3 (reasons above)\n"
+    skipped = result.stderr.splitlines()
+    assert len(skipped) == 3 and all(s.startswith(f"skipped {rows}:") for s in skipped)
+    assert f"{rows}:1 (other-1): no local clone of 'acme/nowhere'" in skipped[0]
+    assert f"{rows}:3 (acme__calc-3): missing field(s) ['patch']" in skipped[1]
+    assert f"{rows}:4 (?): not JSON" in skipped[2]
+    assert [t.id for t in load_suite(str(out))] == ["acme__calc-1"]
+
+    write_rows([no_patch], str(rows))
+    result = invoke("tasks", "import-swebench", rows, "--repos", root / "repos", "--out", tmp_path / "none")
+    assert result.exit_code == 2
+    assert result.stderr.splitlines() == [
+        f"skipped {rows}:1 (acme__calc-3): missing field(s) ['patch']",
+        f"error: nothing imported into {tmp_path / 'none'}; skipped 1 (reasons above)"]
+
+
+@pytest.mark.parametrize("fmt", ["swebench", "harbor"])
+def test_export_writes_every_task(small_suite, tmp_path, fmt):  # noqa: F811
+    tasks = load_suite(small_suite)
+    result = invoke("tasks", "export", small_suite, "--format", fmt, "--out", tmp_path)
+    assert result.exit_code == 0, result.output
+    assert result.stdout == f"exported 3 tasks to {tmp_path}\n"
+    if fmt == "swebench":
+        with open(tmp_path / "rows.jsonl") as f:
+            rows = [json.loads(line) for line in f]
+        assert rows == [export_swebench(t) for t in tasks]
+        assert [(r["instance_id"], r["problem_statement"], r["patch"]) for r in rows] == \
+            [(t.id, t.prompt, t.solution) for t in tasks]
+    else:
+        assert all(os.path.isfile(tmp_path / t.id / "instruction.md") for t in tasks)
+
+
+def test_stats_on_a_suite(small_suite):  # noqa: F811
+    result = invoke("tasks", "stats", small_suite)
+    assert result.exit_code == 0, result.output
+    assert "bugfix 2, feature 1" in result.stdout and "CursorBench" in result.stdout
+
+
+MISTAKES = [  # (command line, its error line); {tmp} is the test's folder, {suite} a real suite
+    ("tasks stats {tmp}/nope", "error: {tmp}/nope: no such folder"),
+    ("tasks export {tmp}/nope --format swebench --out {tmp}/x", "error: {tmp}/nope: no such folder"),
+    ("tasks export {suite} --format csv --out {tmp}/x", "error: --format 'csv': use harbor or swebench"),
+    ("bench --suite {tmp}/nope", "error: {tmp}/nope: no such folder"),
+    ("bench --suite {tmp}/empty", "error: {tmp}/empty: no task folders (each needs a task.toml)"),
+    ("bench --suite {suite} --policy local", "error: the local policy decodes a kiln checkpoint"),
+    ("tasks import-swebench {tmp}/nope.jsonl --repos {tmp} --out {tmp}/x",
+     "error: {tmp}/nope.jsonl: No such file or directory"),
+    ("tasks import-swebench {tmp}/empty.jsonl --repos {tmp} --out {tmp}/x", "error: {tmp}/empty.jsonl: no rows"),
+    ("tasks import-swebench {tmp}/bad.json --repos {tmp} --out {tmp}/x",
+     "error: {tmp}/bad.json: not a JSON array: Expecting value: line 1 column 5 (char 4)"),
+    ("tasks import-swebench {tmp}/bad.json --repos {tmp}/nope --out {tmp}/x",
+     "error: --repos '{tmp}/nope' is not a directory"),
+    ("tasks import-harbor sandbox.memory_mb=512 --out {tmp}/x", "error: no task folders given"),
+    ("tasks toy --out {tmp}/x --level 5", "error: level must be 1, 2, 3 or None (cycle), not 5"),
+    ("tasks mine --repo {tmp}/empty --out {tmp}/x",
+     "error: git rev-parse --git-dir in {tmp}/empty: fatal: not a git repository"),
+]
+
+
+@pytest.mark.parametrize("command, error", MISTAKES, ids=[m[0] for m in MISTAKES])
+def test_a_user_mistake_is_one_error_line(small_suite, tmp_path, command, error):  # noqa: F811
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "empty.jsonl").write_text("")
+    (tmp_path / "bad.json").write_text("[1, ")
+    fill = {"tmp": tmp_path, "suite": small_suite}
+    result = invoke(*command.format(**fill).split())
+    assert result.exit_code == 2, result.output
+    [line] = result.stderr.splitlines()
+    assert line.startswith(error.format(**fill))
