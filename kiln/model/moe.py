@@ -97,9 +97,56 @@ class Attention(nn.Module):
         if cache is not None:
             k, v = cache.update(self.layer_idx, k, v)
             mask = cache.mask
-        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True,
-                                           is_causal=mask is None and t > 1)
+        if isinstance(mask, Documents):
+            o = mask.attend(q, k, v)
+        else:
+            o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True,
+                                               is_causal=mask is None and t > 1)
         return self.o_proj(o.transpose(1, 2).reshape(b, t, -1))
+
+
+class Documents:
+    """Packed rows as their documents' spans: attention runs causally inside each span, never
+    across. The same result as a [B, 1, T, T] block-diagonal mask at a fraction of the cost: SDPA's
+    causal path skips the masked half, and the blocks between documents are never computed (an SFT
+    step of two 2,560-token rows spent 60% of its time in masked attention)."""
+
+    def __init__(self, doc_ids: torch.Tensor):
+        """doc_ids [B, T]: contiguous runs of one id per document; padding (id -1) attends nowhere
+        and gets a zero output (it is never a target)."""
+        self.t = doc_ids.shape[1]
+        self.rows: list[list[tuple[int, int, bool]]] = []  # per row: (start, end, is a document)
+        for d in doc_ids.tolist() if doc_ids.device.type == "cpu" else doc_ids.cpu().tolist():
+            spans, start = [], 0
+            for i in range(1, len(d) + 1):
+                if i == len(d) or d[i] != d[start]:
+                    spans.append((start, i, d[start] >= 0))
+                    start = i
+            self.rows.append(spans)
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """q [B, H, T, hd], k and v [B, KV, T, hd] -> [B, H, T, hd]."""
+        out = []
+        for b, spans in enumerate(self.rows):
+            parts = [F.scaled_dot_product_attention(q[b:b + 1, :, s:e], k[b:b + 1, :, s:e], v[b:b + 1, :, s:e],
+                                                    is_causal=e - s > 1, enable_gqa=True)
+                     if real else q.new_zeros(1, q.shape[1], e - s, q.shape[3]) for s, e, real in spans]
+            out.append(parts[0] if len(parts) == 1 else torch.cat(parts, dim=2))
+        return out[0] if len(out) == 1 else torch.cat(out)
+
+
+SPANS_FROM = 512  # rows at least this long attend by document span; shorter ones by one mask (measured: at
+# 16 x 256 the mask is 15% faster, at 4 x 1,024 the spans are 15% faster, at 2 x 2,560 35%)
+
+
+def document_mask(doc_ids: torch.Tensor):
+    """What keeps packed documents ([B, T] ids, contiguous; -1 = padding) from attending to each
+    other: a [B, 1, T, T] bool mask for short rows, `Documents` spans for long ones."""
+    t = doc_ids.shape[1]
+    if t >= SPANS_FROM:
+        return Documents(doc_ids)
+    causal = torch.ones(t, t, dtype=torch.bool, device=doc_ids.device).tril()
+    return ((doc_ids[:, :, None] == doc_ids[:, None, :]) & causal)[:, None]
 
 
 class MLP(nn.Module):
@@ -281,10 +328,7 @@ class MoeForCausalLM(nn.Module):
             positions = torch.arange(t, device=input_ids.device).expand(b, t)
         x = self.model.embed_tokens(input_ids)
         rope = rope_tables(self.model.inv_freq(x.device), positions, x.dtype)
-        mask = None
-        if doc_ids is not None:
-            causal = torch.ones(t, t, dtype=torch.bool, device=x.device).tril()
-            mask = ((doc_ids[:, :, None] == doc_ids[:, None, :]) & causal)[:, None]
+        mask = None if doc_ids is None else document_mask(doc_ids)
         used, aux, replaced, m = [], None, 0, 0
         for layer in self.model.layers:
             replay = None

@@ -21,6 +21,7 @@ from kiln.model.moe import (
     DecoderLayer,
     MoeForCausalLM,
     RMSNorm,
+    document_mask,
     init_weights,
     rope_tables,
 )
@@ -79,10 +80,7 @@ class MTP(nn.Module):
                 break
             pos = positions[:, :n]
             rope = rope_tables(model.model.inv_freq(h.device), pos, h.dtype)
-            mask = None
-            if doc_ids is not None:
-                d = doc_ids[:, :n]
-                mask = ((d[:, :, None] == d[:, None, :]) & torch.ones(n, n, dtype=torch.bool, device=h.device).tril())[:, None]
+            mask = None if doc_ids is None else document_mask(doc_ids[:, :n])
             h = layer(h[:, :n], self.embed(model, input_ids[:, k:], detach_trunk), rope, mask)
             at = h if keep is None else h[keep[:, k:k + n]]
             out.append(self.logits(model, k - 1, at, detach_trunk))

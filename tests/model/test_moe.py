@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from kiln.model.config import ModelConfig
+from kiln.model import moe
 from kiln.model.moe import MoeBlock, MoeForCausalLM
 from tests.threads import one_thread  # noqa: F401 - autouse: one torch thread in this module
 
@@ -25,7 +26,14 @@ def model(seed: int = 0) -> MoeForCausalLM:
     return m.eval()
 
 
-def test_packed_documents_match_documents_run_alone():
+@pytest.fixture(params=["mask", "spans"])
+def packing(request, monkeypatch):
+    """Both ways of keeping packed documents apart (model/moe.document_mask picks by row length)."""
+    monkeypatch.setattr(moe, "SPANS_FROM", 10**9 if request.param == "mask" else 1)
+    return request.param
+
+
+def test_packed_documents_match_documents_run_alone(packing):
     m = model()
     gen = torch.Generator().manual_seed(0)
     docs = [torch.randint(0, CFG.vocab_size, (n,), generator=gen) for n in (7, 12, 5, 9, 15)]
@@ -45,6 +53,26 @@ def test_packed_documents_match_documents_run_alone():
     # without the mask, later documents see earlier ones: the mask is what made them equal
     assert (unmasked[0, 7:] - packed[0, 7:]).abs().max() > 1e-2
     torch.testing.assert_close(unmasked[0, :7], packed[0, :7], rtol=0, atol=1e-5)
+
+
+def test_packed_documents_get_the_gradients_of_documents_run_alone(packing):
+    """Padding included: it attends nowhere and sends no gradient to the documents."""
+    m = model()
+    gen = torch.Generator().manual_seed(1)
+    docs = [torch.randint(0, CFG.vocab_size, (n,), generator=gen) for n in (9, 1, 6)]
+    ids = torch.cat(docs + [torch.zeros(4, dtype=torch.long)])[None]
+    doc_ids = torch.cat([torch.full((len(d),), j) for j, d in enumerate(docs)] + [torch.full((4,), -1)])[None]
+    positions = torch.cat([torch.arange(len(d)) for d in docs] + [torch.arange(4)])[None]
+
+    def grads(loss):
+        m.zero_grad()
+        loss.backward()
+        return {n: p.grad.clone() for n, p in m.named_parameters() if p.grad is not None}
+    packed = grads(m(ids, positions=positions, doc_ids=doc_ids)[0, :16].pow(2).sum())
+    alone = grads(sum(m(d[None])[0].pow(2).sum() for d in docs))
+    assert packed.keys() == alone.keys()
+    for name in packed:
+        torch.testing.assert_close(packed[name], alone[name], rtol=1e-3, atol=1e-4)
 
 
 def test_few_token_expert_path_matches_the_grouped_path():
