@@ -110,10 +110,10 @@ def collect_oracle_trajectories(cfg, out_dir, n_tasks: int, seed: int = 0, level
     suite = out_dir / "tasks"
     have = load_suite(str(suite)) if (suite.is_dir() and any(suite.iterdir())) else []
     if len(have) < n_tasks:
-        # One test run after the gold patch, not two: the oracle's graded rollout below runs the
-        # tests again, and only solved rollouts are kept (a third of generating the tasks).
+        # No test run after the gold patch: the oracle's graded rollout below applies it and runs
+        # the tests, and only solved rollouts are kept (two of the four test runs a task cost).
         y = generate_toy(str(suite), n_tasks, seed=seed, level=level, split="train", sandbox_cfg=cfg.sandbox,
-                         progress=progress, flaky_check=False)
+                         progress=progress, runs_after=0)
         if y.kept == 0:
             raise SftDataError(f"no toy task could be generated in {suite} (rejected: {dict(y.rejected)})")
     oracle_cfg = cfg.model_copy(deep=True)

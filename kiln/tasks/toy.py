@@ -200,11 +200,12 @@ def _make_one(index: int, level: int, split: str, out_dir: str, staging: str, cf
 
 
 def generate_toy(out_dir: str, n: int, seed: int = 0, level: int | None = None, split: str = "eval",
-                 sandbox_cfg=None, workers: int = 2, progress: bool = True, flaky_check: bool = True) -> Yield:
+                 sandbox_cfg=None, workers: int = 2, progress: bool = True, runs_after: int = 2) -> Yield:
     """Write `n` validated toy tasks to `out_dir` (folders `toy-L{level}-{generator seed}`).
 
-    flaky_check=False runs the tests once after the gold patch instead of twice: for callers that
-    run them again anyway (SFT data keeps only rollouts whose grading passed).
+    runs_after: test runs after the gold patch (validate.validate): 2 catches flaky tests; 0 is
+    for callers that grade the gold change themselves (SFT data keeps only the oracle's solved
+    rollouts).
 
     `seed` is the first task index; see the module docstring for how indices map to seeds.
     At most 2n + 10 candidates are tried, so a broken sandbox cannot loop forever.
@@ -228,7 +229,7 @@ def generate_toy(out_dir: str, n: int, seed: int = 0, level: int | None = None, 
                 batch = range(index, index + min(n - y.kept, max_candidates - y.candidates))
                 index = batch.stop
                 futures = [pool.submit(_make_one, j, level or 1 + j % 3, split, out_dir, staging, sandbox_cfg,
-                                       2 if flaky_check else 1) for j in batch]
+                                       runs_after) for j in batch]
                 for f in as_completed(futures):
                     y.candidates += 1
                     reason = f.result()

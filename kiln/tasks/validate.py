@@ -1,6 +1,6 @@
 """Validate a task by execution: hidden tests fail before the gold change and pass after it,
-twice (a flaky task is rejected; once when a later step reruns them anyway), and the gold change
-breaks nothing that passed."""
+twice (a flaky task is rejected; once, or not at all, when a later step runs them after the gold
+change anyway), and the gold change breaks nothing that passed."""
 from __future__ import annotations
 
 import shlex
@@ -37,8 +37,10 @@ def apply_patch_in(sandbox, patch: str) -> list[str]:
 
 def validate(task: Task, sandbox_cfg, snapshot: Snapshot | None = None, runs_after: int = 2) -> Validation:
     """Run the hidden tests before and `runs_after` times after the gold patch (two or more: a
-    test whose result changes is flaky); derive F2P and P2P. Without a `snapshot` the task's repo
-    is imported for this run and dropped afterwards."""
+    test whose result changes is flaky); derive F2P and P2P. runs_after=0 is for a caller that
+    grades the gold change itself (SFT data keeps only the oracle's solved rollouts): F2P is then
+    what fails before, P2P what passes. Without a `snapshot` the task's repo is imported for this
+    run and dropped afterwards."""
     gold = task.solution
     if not gold:
         return Validation(False, "no gold patch")
@@ -56,11 +58,15 @@ def _run(task: Task, gold: str, base: Snapshot, sandbox_cfg, runs_after: int) ->
         before = run_tests(sb, task.test_command, task.timeout_s)
         if before.timed_out:
             return Validation(False, "tests time out before the gold patch")
+        if runs_after == 0:
+            failing = sorted(i for i in before.statuses if not before.passed(i))
+            passing = sorted(i for i in before.statuses if before.passed(i))
+            return Validation(bool(failing), "" if failing else "no fail-to-pass test", failing, passing)
         try:
             apply_patch_in(sb, gold)
         except (PatchError, OSError) as e:
             return Validation(False, f"gold patch does not apply: {e}")
-        after = [run_tests(sb, task.test_command, task.timeout_s) for _ in range(max(1, runs_after))]
+        after = [run_tests(sb, task.test_command, task.timeout_s) for _ in range(runs_after)]
     return judge(before, after)
 
 

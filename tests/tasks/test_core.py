@@ -71,6 +71,10 @@ def test_a_flaky_test_is_caught_by_the_second_run_after_the_gold_patch(tmp_path,
     assert validate(task, tcfg).reason == "flaky tests: ['tests/test_flips.py::test_flips']"
     once = validate(task, tcfg, runs_after=1)  # for callers that run the tests again later (SFT data)
     assert once.ok and once.fail_to_pass == ["tests/test_calc.py::test_add", "tests/test_flips.py::test_flips"]
+    # no run after the gold patch (a caller that grades it itself): F2P is what fails before it
+    trusted = validate(task, tcfg, runs_after=0)
+    assert trusted.ok and trusted.fail_to_pass == once.fail_to_pass
+    assert trusted.pass_to_pass == ["tests/test_calc.py::test_mul"]
 
 
 def test_validate_rejects_bad_tasks(tmp_path, tcfg):
