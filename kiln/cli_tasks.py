@@ -100,11 +100,16 @@ def stats(suites: Annotated[list[str], typer.Argument(help="Suite folders.")]):
         fail(str(e))
 
 
-def _batch_done(imported: int, skipped: list[str], out: str) -> None:
-    """End a batch import: each bad item was skipped and is named with its reason here; only a
-    batch that imported nothing fails, so one bad row or folder costs itself, not the batch."""
+def _batch_done(imported: int, skipped: list[str], out: str, table: list[tuple[str, ...]] | None = None) -> None:
+    """End a batch import: each bad item was skipped and is named with its reason here, then the
+    `table` of every item's outcome (header first) if given; only a batch that imported nothing
+    fails, so one bad row or folder costs itself, not the batch."""
     for reason in skipped:
         typer.echo(f"skipped {reason}", err=True)
+    if table:
+        widths = [max(len(r[i]) for r in table) for i in range(len(table[0]))]
+        for r in table:
+            typer.echo("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip())
     tail = f"; skipped {len(skipped)} (reasons above)" if skipped else ""
     if not imported:
         fail(f"nothing imported into {out}{tail}")
@@ -141,24 +146,32 @@ _OVERRIDE = re.compile(r"^[A-Za-z_]\w*(\.\w+)+=")
 def import_harbor_cmd(args: Annotated[list[str], typer.Argument(
                           metavar="FOLDER", help="Task folders, then any dotted key=value overrides.")],
                       out: Out, validate: Annotated[bool, typer.Option(
-                          "--validate", help="Derive the test lists from runs of the solution.")] = False,
+                          "--validate/--no-validate", help="Validate each task that has a solution (the oracle must "
+                          "pass, doing nothing must fail) and derive its test lists from the runs.")] = True,
                       config: ConfigOpt = None, dry_run: DryRun = False):
-    """Import Harbor (Terminal-Bench 2) or Terminal-Bench 1 task folders. A folder that cannot be
-    imported is skipped and named with its reason; the command fails only if none imports."""
+    """Import Harbor (Terminal-Bench 2) or Terminal-Bench 1 task folders, validating each one that has
+    a solution unless --no-validate. A folder that cannot be imported is skipped and named with its
+    reason; a table of every folder's outcome ends the output; the command fails only if none imports."""
     folders = [a for a in args if not _OVERRIDE.match(a)]
     cfg = resolve(config, [a for a in args if _OVERRIDE.match(a)], dry_run)
     if not folders:
         fail("no task folders given")
-    from kiln.tasks.harbor import import_harbor, import_tb1
-    imported, skipped = 0, []
+    from kiln.tasks.harbor import import_folder
+    rows, skipped = [], []
     for f in folders:
-        fn = import_tb1 if os.path.exists(os.path.join(f, "task.yaml")) else import_harbor
+        name = os.path.basename(os.path.normpath(f))
         try:
-            typer.echo(f"imported {fn(f, out, sandbox_cfg=cfg.sandbox, validate=validate).id}")
-            imported += 1
+            task, outcome, why = import_folder(f, out, cfg.sandbox, validate=validate,
+                                               warn=lambda msg: typer.echo(f"warning: {msg}", err=True))
+            typer.echo(f"imported {task.id}")
+            rows.append((name, outcome, why))
         except (ValueError, OSError) as e:  # TaskError is a ValueError
             skipped.append(str(e))
-    _batch_done(imported, skipped, out)
+            lines = str(e).splitlines()
+            why = lines[0].removeprefix(f"{f}: ").removeprefix(f"{f}/")
+            rows.append((name, "skipped", why.rstrip(":") + " (listed above)" if len(lines) > 1 else why))
+    table = [("folder", "outcome", "reason"), *[(n, o, w if len(w) <= 100 else w[:97] + "...") for n, o, w in rows]]
+    _batch_done(len(rows) - len(skipped), skipped, out, table)
 
 
 @tasks_app.command("export")

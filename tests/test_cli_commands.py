@@ -64,6 +64,35 @@ def test_import_harbor_imports_good_folders_and_skips_bad_ones(tmp_path, tcfg):
     assert result.exit_code == 2 and "error: unknown config key 'sandbox.memroy_mb'" in result.stderr
 
 
+def test_import_harbor_validates_by_default_and_ends_with_a_table(tmp_path, tcfg):
+    good, out = harbor_folder(tmp_path / "add-fix"), tmp_path / "suite"
+    unsolved = harbor_folder(tmp_path / "no-solution")
+    os.remove(os.path.join(unsolved, "solution", "solve.sh"))
+    with open(os.path.join(unsolved, "task.toml"), "a") as f:
+        f.write("allow_internet = true\n")
+    (tmp_path / "empty").mkdir()
+    state = f"sandbox.state_dir={tcfg.state_dir}"
+    result = invoke("tasks", "import-harbor", good, unsolved, tmp_path / "empty", "--out", out, state)
+    assert result.exit_code == 0, result.output
+    lines = result.stdout.splitlines()
+    table = [r.split(None, 2) for r in lines[lines.index("folder       outcome    reason"):-1]]
+    assert table == [["folder", "outcome", "reason"], ["add-fix", "validated"],
+                     ["no-solution", "imported", "not validated: no solution to run"],
+                     ["empty", "skipped", "no instruction.md (is this a Harbor task folder?)"]]
+    assert lines[-1] == f"imported 2 tasks into {out}; skipped 1 (reasons above)"
+    assert "warning: " in result.stderr and "allow_internet = true" in result.stderr
+    tasks = {t.id: t for t in load_suite(str(out))}
+    assert ".harbor/tests/test_outputs.py::test_add" in tasks["add-fix"].fail_to_pass  # derived by validation
+    assert tasks["no-solution"].fail_to_pass == ["harbor::reward"]
+
+    result = invoke("tasks", "import-harbor", good, "--no-validate", "--out", tmp_path / "raw", state)
+    assert result.exit_code == 0, result.output
+    assert ["add-fix", "imported", "not validated: validation off"] in [r.split(None, 2) for r in
+                                                                         result.stdout.splitlines()]
+    [task] = load_suite(str(tmp_path / "raw"))
+    assert task.fail_to_pass == ["harbor::reward"] and "+    return a + b" in task.solution  # the oracle still ran
+
+
 def test_import_swebench_imports_good_rows_and_names_each_bad_one(row_file, tmp_path):  # noqa: F811
     root, row = row_file
     rows, out = tmp_path / "rows.jsonl", tmp_path / "suite"

@@ -96,7 +96,7 @@ def run_rollout(task: Task, pass_idx: int, policy_name: str, config, snapshot: S
     t0 = time.monotonic()
     policy, seed = make_bench_policy(policy_name, task, pass_idx, config, runner)
     path = os.path.join(out_dir, "trajectories", f"{task.id}.p{pass_idx}.json")
-    with create(snapshot, config.sandbox) as sb:
+    with create(snapshot, task.sandbox_config(config.sandbox)) as sb:
         t1 = time.monotonic()
         traj = Agent(policy, sb, config.harness).run(task.prompt, task_id=task.id, out=path)
         t2 = time.monotonic()

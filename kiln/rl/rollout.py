@@ -36,7 +36,7 @@ def run_group(task, group_id: int, cfg, runner, out_dir: str, seed: int) -> str:
     errors: list[BaseException] = []
     snap = Snapshot.from_dir(task.repo_dir, cfg.sandbox.state_dir, label=f"rl:{task.id}")
     try:
-        with create(snap, cfg.sandbox) as base:
+        with create(snap, task.sandbox_config(cfg.sandbox)) as base:
             forks = [base.fork() for _ in range(G)]
 
             def one(i: int) -> None:

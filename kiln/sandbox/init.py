@@ -166,7 +166,9 @@ def _command(req: dict, fds: list[int], alive_r: int, spec: dict) -> None:
 
 
 def _set_limits(spec: dict) -> None:
-    lim = [(resource.RLIMIT_FSIZE, spec["file_size_mb"] * MB), (resource.RLIMIT_CORE, 0)]
+    lim = [(resource.RLIMIT_CORE, 0)]
+    if spec["file_size_mb"]:  # 0: no limit (see SandboxConfig.file_size_mb)
+        lim.append((resource.RLIMIT_FSIZE, spec["file_size_mb"] * MB))
     if not spec["cgroups"]:  # per-process stand-ins for the cgroup's tree-wide limits
         lim += [(resource.RLIMIT_AS, spec["memory_mb"] * MB), (resource.RLIMIT_NPROC, spec["max_procs"])]
     for which, value in lim:

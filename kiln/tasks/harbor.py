@@ -8,6 +8,11 @@ pytest outcomes test.sh prints, plus the `harbor::reward` pseudo-test. Without v
 passes on the reward alone. task.toml, the Dockerfile and the solution files stay in provenance, so
 export rebuilds the folder and import -> export -> import gives the same record.
 
+Every problem visible without running anything (Dockerfile lines, test-script lines that need the
+network, missing files) is refused together in one TaskError. What kiln cannot honour but can run
+without (extra compose services, allow_internet) is a warning. Multi-step Harbor tasks (steps/) are
+refused: kiln does not import them yet.
+
 Export of a kiln-made task writes a Harbor folder of its own: python:3.11-slim + COPY of repo/,
 tests/test.sh running the hidden tests with the task's test command (reward 1 when every
 fail-to-pass test passes and every pass-to-pass test is kept), and solve.sh writing the gold change.
@@ -15,22 +20,33 @@ fail-to-pass test passes and every pass-to-pass test is kept), and solve.sh writ
 from __future__ import annotations
 
 import os
-import re
 import shutil
+import sys
 import tempfile
 import tomllib
+from dataclasses import dataclass
 
 from . import dockerfile
-from .harbor_env import (REWARD_ID, TEST_COMMAND, TESTS_DIR, VERIFY, grade_harbor, run_solution, sandbox_config,
-                         verify_script)
+from .harbor_env import (
+    REWARD_ID,
+    TEST_COMMAND,
+    TESTS_DIR,
+    VERIFY,
+    grade_harbor,
+    run_solution,
+    sandbox_config,
+    verify_script,
+)
 from .harbor_export import export_harbor
+from .harbor_scripts import TB1_DEFAULT, check_script, offline_tb1_tests
 from .patch import gold_stats
-from .record import CATEGORIES, Task, TaskError, save_task
+from .record import CATEGORIES, Problems, Task, TaskError, save_task
 
-__all__ = ["REWARD_ID", "export_harbor", "grade_harbor", "import_harbor", "import_tb1", "sandbox_config"]
+__all__ = ["REWARD_ID", "export_harbor", "grade_harbor", "import_folder", "import_harbor", "import_tb1",
+           "sandbox_config"]
 _DIFFICULTY = {"easy": 1, "medium": 2, "hard": 3}
-_TB1_OWN = {"task.yaml", "solution.sh", "solution.yaml", "run-tests.sh", "tests", "Dockerfile",
-            "docker-compose.yaml", "docker-compose.yml"}
+_COMPOSE = ("docker-compose.yaml", "docker-compose.yml", "compose.yaml", "compose.yml")
+_TB1_OWN = {"task.yaml", "solution.sh", "solution.yaml", "run-tests.sh", "tests", "Dockerfile", *_COMPOSE}
 _TB1_TEST_SH = """#!/bin/bash
 # Written by kiln for a Terminal-Bench 1 task: the reward is run-tests.sh's exit status.
 mkdir -p /logs/verifier
@@ -40,19 +56,22 @@ if [ $? -eq 0 ]; then echo 1 > /logs/verifier/reward.txt; else echo 0 > /logs/ve
 """
 
 
-# Commands that need the network or a package manager; kiln's verifier has neither.
-_OFFLINE = re.compile(r"(?:^|[;&|(]\s*|\bsudo\s+)(apt-get|apt|apk|yum|dnf|curl|wget|uvx?)\b")
-_TB1_UV = re.compile(r"^.*\b(setup-uv-pytest|run-uv-pytest)\.sh\b.*$", re.MULTILINE)
+def _warn_stderr(msg: str) -> None:
+    print(f"warning: {msg}", file=sys.stderr)
 
 
-def check_script(text: str, where: str) -> None:
-    """A clear error for a test script kiln's sandbox cannot run (it has no network)."""
-    for n, line in enumerate(text.splitlines(), 1):
-        m = _OFFLINE.search(line.split("#")[0].strip())
-        if m:
-            raise TaskError(f"{where}:{n}: kiln cannot provide `{line.strip()[:120]}`: {m.group(1)} needs the network "
-                            "or a package manager, and kiln's sandbox has neither (pytest and kiln's packages are "
-                            "already there: call `python -m pytest` directly)")
+@dataclass
+class _Folder:
+    """What an import reads from a task folder, in either format."""
+    path: str
+    source: str  # harbor | terminal-bench-1
+    prompt: str
+    config: dict  # task.toml (synthesised for Terminal-Bench 1)
+    context: str  # the Docker build context
+    context_own: set  # names in the context that are the task's own files, not the image's
+    tests: dict
+    solution: dict
+    problems: Problems
 
 
 def _read_files(root: str) -> dict[str, bytes]:
@@ -81,28 +100,67 @@ def _task_id(folder: str) -> str:
     return "".join(c if c.isalnum() or c in "._-" else "_" for c in name).lstrip("._-") or "task"
 
 
-def import_harbor(folder: str, out_dir: str, sandbox_cfg=None, validate: bool = False) -> Task:
+def _has(folder: str, *names: str) -> bool:
+    return any(os.path.exists(os.path.join(folder, n)) for n in names)
+
+
+def import_folder(folder: str, out_dir: str, sandbox_cfg, validate: bool = True,
+                  warn=_warn_stderr) -> tuple[Task, str, str]:
+    """A Harbor or Terminal-Bench 1 folder -> (task, "validated" | "imported", why not validated).
+    With `validate`, a task that has a solution is validated; one without is imported unvalidated."""
+    tb1 = _has(folder, "task.yaml")
+    solvable = _has(folder, "solution.sh", "solution.yaml") if tb1 else _has(folder, "solution/solve.sh")
+    fn = import_tb1 if tb1 else import_harbor
+    task = fn(folder, out_dir, sandbox_cfg, validate=validate and solvable, warn=warn)
+    if validate and solvable:
+        return task, "validated", ""
+    return task, "imported", "not validated: " + ("no solution to run" if validate else "validation off")
+
+
+def import_harbor(folder: str, out_dir: str, sandbox_cfg=None, validate: bool = False, warn=_warn_stderr) -> Task:
     """A Harbor task folder -> a kiln task folder under `out_dir`. With `sandbox_cfg` the oracle
     runs to give the gold patch; `validate` then derives the test lists (and rejects a task whose
-    oracle does not pass or whose do-nothing run does not fail)."""
-    for need in ("instruction.md", "tests/test.sh"):
-        if not os.path.isfile(os.path.join(folder, need)):
-            raise TaskError(f"{folder}: no {need} (is this a Harbor task folder?)")
-    env_dir = os.path.join(folder, "environment")
-    if not os.path.isfile(os.path.join(env_dir, "Dockerfile")):
-        raise TaskError(f"{env_dir}: no Dockerfile; kiln cannot provide compose or prebuilt-image environments "
-                        "without Docker")
+    oracle does not pass or whose do-nothing run does not fail). Every problem kiln can see without
+    running anything is raised together, in one TaskError; `warn` hears what kiln cannot honour."""
+    if not _has(folder, "instruction.md", "task.toml", "environment", "tests", "steps"):
+        raise TaskError(f"{folder}: no instruction.md (is this a Harbor task folder?)")
+    problems = Problems(folder)
     toml_path = os.path.join(folder, "task.toml")
+    config = {}
     try:
         config = tomllib.loads(_text(toml_path)) if os.path.exists(toml_path) else {}
     except tomllib.TOMLDecodeError as e:
-        raise TaskError(f"{toml_path}: invalid TOML: {e}") from None
-    solution = _read_files(os.path.join(folder, "solution"))
-    return _build(folder, _text(os.path.join(folder, "instruction.md")), config, env_dir, {"Dockerfile"},
-                  _read_files(os.path.join(folder, "tests")), solution, out_dir, sandbox_cfg, validate, "harbor")
+        problems.add(f"{toml_path}: invalid TOML: {e}")
+    steps = [s.get("name", "?") for s in config.get("steps", []) if isinstance(s, dict)]
+    if steps or os.path.isdir(os.path.join(folder, "steps")):
+        names = steps or sorted(os.listdir(os.path.join(folder, "steps")))
+        raise TaskError(f"{folder}: a multi-step Harbor task (steps: {', '.join(names)}); kiln does not import "
+                        "multi-step tasks yet, only single-step ones (instruction.md, tests/ and solution/ at the "
+                        "top of the folder)")
+    for need in ("instruction.md", "tests/test.sh"):
+        if not os.path.isfile(os.path.join(folder, need)):
+            problems.add(f"{folder}: no {need}")
+    env_dir = os.path.join(folder, "environment")
+    if not os.path.isfile(os.path.join(env_dir, "Dockerfile")):
+        image = config.get("environment", {}).get("docker_image")
+        if _has(env_dir, *_COMPOSE):
+            problems.add(f"{env_dir}: a compose file but no Dockerfile: kiln cannot provide compose environments "
+                         "without Docker (it provides only what a Dockerfile describes)")
+        elif image:
+            problems.add(f"{toml_path}: a prebuilt image ({image}) and no environment/Dockerfile: kiln cannot "
+                         "provide prebuilt images without Docker")
+        else:
+            problems.add(f"{folder}: no environment/Dockerfile (kiln provides the environment it describes)")
+    prompt = _text(os.path.join(folder, "instruction.md")) if _has(folder, "instruction.md") else ""
+    tests = _read_files(os.path.join(folder, "tests"))
+    if "test.sh" in tests:
+        check_script(tests["test.sh"].decode("utf-8", "replace"), os.path.join(folder, "tests", "test.sh"), problems)
+    f = _Folder(folder, "harbor", prompt, config, env_dir, {"Dockerfile"}, tests,
+                _read_files(os.path.join(folder, "solution")), problems)
+    return _build(f, out_dir, sandbox_cfg, validate, warn)
 
 
-def import_tb1(folder: str, out_dir: str, sandbox_cfg=None, validate: bool = False) -> Task:
+def import_tb1(folder: str, out_dir: str, sandbox_cfg=None, validate: bool = False, warn=_warn_stderr) -> Task:
     """A Terminal-Bench 1 folder (task.yaml, Dockerfile, solution.sh, run-tests.sh, tests/) -> a kiln
     task, through the same path as Harbor (its task.toml synthesised; the reward is run-tests.sh's
     exit status, as pytest's exit status says whether every test passed)."""
@@ -113,17 +171,18 @@ def import_tb1(folder: str, out_dir: str, sandbox_cfg=None, validate: bool = Fal
     path = os.path.join(folder, "task.yaml")
     if not os.path.isfile(path):
         raise TaskError(f"{folder}: no task.yaml (is this a Terminal-Bench 1 task folder?)")
+    problems = Problems(folder)
     meta = yaml.safe_load(_text(path)) or {}
     prompt = meta.get("instruction") or next((d.get("description") for d in meta.get("descriptions") or []), "")
     if not os.path.isfile(os.path.join(folder, "Dockerfile")):
-        raise TaskError(f"{folder}: no Dockerfile; kiln cannot provide compose-only environments without Docker")
+        problems.add(f"{folder}: a compose file but no Dockerfile: kiln cannot provide compose-only environments "
+                     "without Docker" if _has(folder, *_COMPOSE) else
+                     f"{folder}: no Dockerfile (a Terminal-Bench 1 task has one beside task.yaml)")
     tests = _read_files(os.path.join(folder, "tests"))
     run_tests = os.path.join(folder, "run-tests.sh")
-    default = 'python -m pytest "$TEST_DIR/test_outputs.py" -rA'  # what Terminal-Bench 1 runs without one
-    script = _text(run_tests) if os.path.isfile(run_tests) else f"#!/bin/bash\n{default}\n"
-    # Terminal-Bench 1's shared helpers install uv and pytest from the network; kiln has pytest already.
-    script = _TB1_UV.sub(lambda m: default if m.group(1) == "run-uv-pytest" else "# (kiln: pytest is installed)",
-                         script)
+    script = _text(run_tests) if os.path.isfile(run_tests) else f"#!/bin/bash\n{TB1_DEFAULT}\n"
+    script = offline_tb1_tests(script, run_tests, problems)
+    check_script(script, run_tests, problems)
     tests["run-tests.sh"] = script.encode()
     tests["test.sh"] = _TB1_TEST_SH.encode()
     solution = {}
@@ -138,51 +197,79 @@ def import_tb1(folder: str, out_dir: str, sandbox_cfg=None, validate: bool = Fal
     config = {"version": "1.0", "metadata": keep,
               "verifier": {"timeout_sec": float(meta.get("max_test_timeout_sec", 180.0))},
               "agent": {"timeout_sec": float(meta.get("max_agent_timeout_sec", 360.0))}}
-    return _build(folder, prompt, config, folder, _TB1_OWN, tests, solution, out_dir, sandbox_cfg, validate,
-                  "terminal-bench-1")
+    f = _Folder(folder, "terminal-bench-1", prompt, config, folder, _TB1_OWN, tests, solution, problems)
+    return _build(f, out_dir, sandbox_cfg, validate, warn)
 
 
-def _build(folder, prompt, config, context, context_own, tests, solution, out_dir, cfg, validate, source) -> Task:
-    docker_path = os.path.join(context, "Dockerfile")
-    docker_text = _text(docker_path)
-    img = dockerfile.parse(docker_text, docker_path)
-    for name in ("test.sh", "run-tests.sh"):
-        if name in tests:
-            where = os.path.join(folder, "tests" if source == "harbor" else "", name)
-            check_script(tests[name].decode("utf-8", "replace"), where)
+def _warnings(f: _Folder, warn) -> None:
+    """What a task asks for that kiln's sandbox cannot give, said once at import."""
+    main = "client" if f.source == "terminal-bench-1" else "main"
+    for path in (os.path.join(f.context, n) for n in _COMPOSE if _has(f.context, n)):
+        services = _compose_services(path)
+        others = [s for s in services or [] if s != main]
+        if services is None or others:
+            what = f"the compose services {', '.join(others)} are" if others else "any other compose services are"
+            warn(f"{path}: kiln runs only the task's own container; {what} not started, so tests that talk to "
+                 "them will fail")
+    if f.config.get("environment", {}).get("allow_internet"):
+        warn(f"{f.path}: the task allows internet access (allow_internet = true), but kiln's sandbox has no "
+             "network: anything that needs it will fail")
+
+
+def _compose_services(path: str) -> list[str] | None:
+    """The services a compose file names, or None when it cannot be read (no PyYAML, bad YAML)."""
+    try:
+        import yaml
+    except ImportError:
+        return None
+    try:
+        data = yaml.safe_load(_text(path))
+    except (yaml.YAMLError, OSError, UnicodeDecodeError):
+        return None
+    services = data.get("services") if isinstance(data, dict) else None
+    return sorted(str(s) for s in services) if isinstance(services, dict) else None
+
+
+def _build(f: _Folder, out_dir: str, cfg, validate: bool, warn) -> Task:
+    problems, config = f.problems, f.config
+    docker_path = os.path.join(f.context, "Dockerfile")
+    docker_text = _text(docker_path) if os.path.isfile(docker_path) else ""
+    img = dockerfile.parse(docker_text, docker_path, problems) if os.path.isfile(docker_path) else None
+    if not f.prompt.strip() and (f.source != "harbor" or _has(f.path, "instruction.md")):  # else: reported missing
+        problems.add(f"{f.path}: empty instruction")
+    if validate and (cfg is None or "solve.sh" not in f.solution):
+        problems.add(f"{f.path}: validating needs a sandbox config and solution/solve.sh")
     meta, verifier = config.get("metadata", {}), config.get("verifier", {})
     category = str(meta.get("category", ""))
     category = category if category in CATEGORIES else "bugfix" if ("debug" in category or "fix" in category) \
         else "feature"
     with tempfile.TemporaryDirectory(prefix="kiln-harbor-") as tmp:
         tree = os.path.join(tmp, "tree")
-        copies = dockerfile.provide(img, context, tree)
+        copies = dockerfile.provide(img, f.context, tree, problems) if img and img.workdir not in ("", "/") else []
+        problems.raise_any()
+        _warnings(f, warn)
         other = {}
-        for rel, data in _read_files(context).items():
+        for rel, data in _read_files(f.context).items():
             top = rel.split("/")[0]
             covered = any(src in (".", "") or rel == src or rel.startswith(src + "/") for src, _, _ in copies)
-            if top not in context_own and not covered:
+            if top not in f.context_own and not covered:
                 try:
                     other[rel] = data.decode("utf-8")
                 except UnicodeDecodeError:
                     pass  # binary files the image never copies cannot matter to kiln
-        harbor = {"task_toml": config, "dockerfile": docker_text, "workdir": img.workdir, "copies": copies,
-                  "environment_files": other, "solution_files": _texts(solution, folder)}
-        task = Task(id=_task_id(folder), prompt=prompt, category=category, test_command=TEST_COMMAND,
+        harbor = {"task_toml": config, "dockerfile": docker_text, "workdir": img.workdir, "image_env": img.env,
+                  "copies": copies, "environment_files": other, "solution_files": _texts(f.solution, f.path)}
+        task = Task(id=_task_id(f.path), prompt=f.prompt, category=category, test_command=TEST_COMMAND,
                     fail_to_pass=[REWARD_ID], difficulty=_DIFFICULTY.get(str(meta.get("difficulty", "")).lower(), 1),
                     timeout_s=float(verifier.get("timeout_sec", 300.0)),
-                    provenance={"source": source, "harbor": harbor})
-        if not prompt.strip():
-            raise TaskError(f"{folder}: empty instruction")
-        hidden = {f"{TESTS_DIR}/{rel}": data for rel, data in tests.items()}
-        hidden[VERIFY] = verify_script(img.workdir, verifier.get("env", {}), list(tests))
+                    provenance={"source": f.source, "harbor": harbor})
+        hidden = {f"{TESTS_DIR}/{rel}": data for rel, data in f.tests.items()}
+        hidden[VERIFY] = verify_script(img.workdir, verifier.get("env", {}), list(f.tests))
         gold = None
-        if cfg is not None and "solve.sh" in solution:
+        if cfg is not None and "solve.sh" in f.solution:
             agent_s = float(config.get("agent", {}).get("timeout_sec", 600))
-            gold = run_solution(tree, solution, img.workdir, cfg, agent_s)
+            gold = run_solution(tree, f.solution, task, cfg, agent_s, config.get("solution", {}).get("env", {}))
             task.gold = gold_stats(gold)
-        elif validate:
-            raise TaskError(f"{folder}: validating needs a sandbox config and solution/solve.sh")
         task = save_task(task, out_dir, repo_src=tree, hidden=hidden, solution=gold)
     if validate:
         _derive_tests(task, cfg)

@@ -5,7 +5,7 @@ A Harbor environment has absolute paths kiln's sandbox does not: its root is rea
 workspace and /tmp. They map as follows, rewritten in the task's scripts and test files at run time
 (the stored files stay as the task wrote them) and also exported as environment variables:
 
-    WORKDIR (e.g. /app)  -> the sandbox workspace (sandbox.workdir)
+    WORKDIR (e.g. /app)  -> the sandbox workspace (sandbox.workdir: the WORKDIR itself, see sandbox_config)
     /tests               -> <workspace>/.harbor/tests   (the hidden tests; KILN_HARBOR_TESTS, TEST_DIR)
     /logs                -> /tmp/kiln-harbor/logs        (reward.txt / reward.json; KILN_HARBOR_LOGS)
     /solution            -> /tmp/kiln-harbor/solution    (the oracle only)
@@ -19,6 +19,7 @@ from __future__ import annotations
 import inspect
 import json
 import re
+import sys
 
 from .record import Task, TaskError
 
@@ -31,10 +32,17 @@ TEST_COMMAND = f"python {VERIFY}"
 
 
 def rewrite_paths(text: str, mapping: dict) -> str:
-    """Replace each absolute path in `mapping` where it starts a path (never inside a longer name)."""
+    """Replace each absolute path in `mapping` where it starts a path (never inside a longer name),
+    including a shell default such as ${APP_DIR:-/app} or ${APP_DIR:=/app}."""
     keys = sorted(mapping, key=len, reverse=True)
-    pat = re.compile(r"(?<![\w.~$/-])(" + "|".join(re.escape(k) for k in keys) + r")(?![\w.-])")
+    pat = re.compile(r"(?:(?<![\w.~$/-])|(?<=:-))(" + "|".join(re.escape(k) for k in keys) + r")(?![\w.-])")
     return pat.sub(lambda m: mapping[m.group(1)], text)
+
+
+def harbor_paths(workdir: str, ws: str) -> dict:
+    """The image's paths -> the sandbox's (see the module docstring)."""
+    return {workdir: ws, "/tests": f"{ws}/{TESTS_DIR}", "/logs": f"{RUN_ROOT}/logs",
+            "/solution": f"{RUN_ROOT}/solution"}
 
 
 def parse_rewards(txt, js) -> dict:
@@ -119,31 +127,49 @@ def verify_script(workdir: str, env: dict, files: list[str]) -> str:
 
 
 def sandbox_config(task: Task, cfg):
-    """`cfg` with the workspace at the task's own WORKDIR (e.g. /app), so the paths in its
-    instruction are the agent's paths too. Grading works with either workspace path."""
-    workdir = task.provenance.get("harbor", {}).get("workdir", "")
-    taken = ("/usr", "/bin", "/sbin", "/lib", "/etc", "/tmp", "/dev", "/proc")
-    if not workdir or any(workdir == p or workdir.startswith(p + "/") for p in taken):
+    """`cfg` for an imported task: the workspace at the task's own WORKDIR (e.g. /app), so the paths in
+    its instruction are the agent's paths too (unless that path is the sandbox's own: a system
+    directory, /tmp, kiln's Python), and the task's environment variables ([environment.env] of
+    task.toml, the Dockerfile's ENV paths) with the WORKDIR mapped. Grading works with either workspace."""
+    h = task.provenance.get("harbor")
+    if not h:
         return cfg
-    return cfg.model_copy(update={"workdir": workdir})
+    workdir, update = h.get("workdir", ""), {}
+    if workdir and not _sandbox_own(workdir, cfg):
+        update["workdir"] = workdir
+    env = {**h.get("image_env", {}), **h.get("task_toml", {}).get("environment", {}).get("env", {})}
+    if env:
+        mapping = harbor_paths(workdir, update.get("workdir", cfg.workdir))
+        update["env"] = {**cfg.env, **{str(k): rewrite_paths(str(v), mapping) for k, v in env.items()}}
+    return cfg.model_copy(update=update) if update else cfg
 
 
-def run_solution(repo_dir: str, files: dict[str, bytes], workdir: str, cfg, timeout_s: float) -> str:
-    """Run solution/solve.sh (the oracle) on the repository; its change is the gold patch."""
+def _sandbox_own(path: str, cfg) -> bool:
+    """Whether a workspace mounted at `path` would cover or sit inside a directory the sandbox needs."""
+    from kiln.sandbox.rootfs import SYSTEM_DIRS, bind_paths
+    own = [*SYSTEM_DIRS, "/tmp", "/dev", "/proc", *bind_paths(list(cfg.ro_binds), [sys.prefix, sys.base_prefix])]
+    return path == "/" or any(path == p or path.startswith(p + "/") or p.startswith(path + "/") for p in own)
+
+
+def run_solution(repo_dir: str, files: dict[str, bytes], task: Task, cfg, timeout_s: float, env: dict) -> str:
+    """Run solution/solve.sh (the oracle) on the repository, in the task's sandbox with [solution.env];
+    its change is the gold patch."""
     from kiln.sandbox import Snapshot, create
+    cfg = sandbox_config(task, cfg)
     snap = Snapshot.from_dir(repo_dir, cfg.state_dir)
     try:
         with create(snap, cfg) as sb:
             ws = sb.cfg.workdir
-            mapping = {workdir: ws, "/tests": f"{ws}/{TESTS_DIR}", "/logs": f"{RUN_ROOT}/logs",
-                       "/solution": f"{RUN_ROOT}/solution"}
+            mapping = harbor_paths(task.provenance["harbor"]["workdir"], ws)
             for rel, data in files.items():
                 try:
                     data = rewrite_paths(data.decode("utf-8"), mapping).encode()
                 except UnicodeDecodeError:
                     pass
                 sb.write(f"{RUN_ROOT}/solution/{rel}", data)
-            r = sb.exec(f"bash {RUN_ROOT}/solution/solve.sh", timeout_s=timeout_s, idle_timeout_s=timeout_s, cwd=ws)
+            env = {str(k): rewrite_paths(str(v), mapping) for k, v in env.items()}
+            r = sb.exec(f"bash {RUN_ROOT}/solution/solve.sh", timeout_s=timeout_s, idle_timeout_s=timeout_s, cwd=ws,
+                        env=env)
             if r.exit_code or r.timed_out:
                 how = "timed out" if r.timed_out else f"exit {r.exit_code}"
                 raise TaskError(f"solution/solve.sh failed in kiln's sandbox ({how}); output tail:\n{r.output[-1500:]}")

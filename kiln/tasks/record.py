@@ -27,6 +27,36 @@ class TaskError(ValueError):
     """A task record that cannot be used; the message names the file and the field."""
 
 
+class Problems:
+    """Every problem found in a task before it is refused: one TaskError lists them all, so fixing
+    a task takes one round, not one per problem. `notes` (advice) are printed once, at the end."""
+
+    def __init__(self, where: str):
+        self.where, self.items, self.notes = where, [], []
+
+    def add(self, problem: str, note: str = "") -> None:
+        self.items.append(problem)
+        if note and note not in self.notes:
+            self.notes.append(note)
+
+    def check(self, fn, *args, **kwargs):
+        """fn(*args, **kwargs), or None after recording the TaskError it raised."""
+        try:
+            return fn(*args, **kwargs)
+        except TaskError as e:
+            self.add(str(e))
+            return None
+
+    def raise_any(self) -> None:
+        if not self.items:
+            return
+        if len(self.items) == 1:
+            msg = self.items[0]
+        else:
+            msg = f"{self.where}: {len(self.items)} problems:\n" + "\n".join(f"  - {p}" for p in self.items)
+        raise TaskError("\n".join([msg, *self.notes]))
+
+
 @dataclass
 class Task:
     id: str
@@ -53,6 +83,13 @@ class Task:
     def solution(self) -> str | None:
         p = os.path.join(self.path, "solution.patch")
         return open(p, encoding="utf-8").read() if os.path.exists(p) else None
+
+    def sandbox_config(self, cfg):
+        """The sandbox config this task runs in: `cfg` plus what the task's own environment sets (an
+        imported Harbor task's WORKDIR as the workspace, its env). Every sandbox made for a task
+        (validation, bench, RL) is created with it; grading forks those, so it follows."""
+        from .harbor_env import sandbox_config
+        return sandbox_config(self, cfg)
 
     def hidden_tests(self) -> dict[str, bytes]:
         """Repository-relative path -> content of every hidden test file."""

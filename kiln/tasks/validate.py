@@ -53,7 +53,7 @@ def validate(task: Task, sandbox_cfg, snapshot: Snapshot | None = None, runs_aft
 
 
 def _run(task: Task, gold: str, base: Snapshot, sandbox_cfg, runs_after: int) -> Validation:
-    with create(base, sandbox_cfg) as sb:
+    with create(base, task.sandbox_config(sandbox_cfg)) as sb:
         write_hidden_tests(sb, task)
         before = run_tests(sb, task.test_command, task.timeout_s)
         if before.timed_out:

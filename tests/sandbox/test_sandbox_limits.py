@@ -95,6 +95,21 @@ def test_file_size_limit(box):
     assert size <= 8 * 1024 * 1024
 
 
+def test_sparse_files_by_default_with_disk_use_bounded(base, cfg):
+    """The default config sets no file-size limit: a test's large sparse file works, while the
+    size-capped tmpfs layers (disk_mb, tmp_mb) still bound what is really written."""
+    from kiln.config import SandboxConfig
+    with create(base, cfg.model_copy(update={"file_size_mb": SandboxConfig().file_size_mb})) as sb:
+        r = sb.exec("truncate -s 1G sparse && truncate -s 1G /tmp/sparse && "
+                    "python -c \"f = open('seeked', 'wb'); f.seek(2 ** 31); f.write(b'x')\" && "
+                    "stat -c %s sparse /tmp/sparse seeked && du -k sparse seeked | cut -f1")
+        assert r.exit_code == 0, r.output
+        sizes = [int(x) for x in r.output.split()]
+        assert sizes[:3] == [2 ** 30, 2 ** 30, 2 ** 31 + 1] and max(sizes[3:]) <= 64  # KiB really used
+        r = sb.exec("head -c 40000000 /dev/zero > dense")  # more than the 32 MiB upper layer
+        assert r.exit_code != 0 and "No space left on device" in r.output
+
+
 def test_upper_layer_disk_limit(box):
     # 6 MiB files stay under the 8 MiB file limit; 8 of them exceed the 32 MiB disk limit.
     r = box.exec("for i in $(seq 8); do head -c 6000000 /dev/zero > f$i || exit 1; done")
