@@ -114,9 +114,8 @@ class Documents:
     def __init__(self, doc_ids: torch.Tensor):
         """doc_ids [B, T]: contiguous runs of one id per document; padding (id -1) attends nowhere
         and gets a zero output (it is never a target)."""
-        self.t = doc_ids.shape[1]
         self.rows: list[list[tuple[int, int, bool]]] = []  # per row: (start, end, is a document)
-        for d in doc_ids.tolist() if doc_ids.device.type == "cpu" else doc_ids.cpu().tolist():
+        for d in doc_ids.tolist():
             spans, start = [], 0
             for i in range(1, len(d) + 1):
                 if i == len(d) or d[i] != d[start]:

@@ -111,7 +111,7 @@ def collect_oracle_trajectories(cfg, out_dir, n_tasks: int, seed: int = 0, level
     have = load_suite(str(suite)) if (suite.is_dir() and any(suite.iterdir())) else []
     if len(have) < n_tasks:
         # No test run after the gold patch: the oracle's graded rollout below applies it and runs
-        # the tests, and only solved rollouts are kept (two of the four test runs a task cost).
+        # the tests, and only solved rollouts are kept (one of the four test runs a task cost).
         y = generate_toy(str(suite), n_tasks, seed=seed, level=level, split="train", sandbox_cfg=cfg.sandbox,
                          progress=progress, runs_after=0)
         if y.kept == 0:
