@@ -15,6 +15,7 @@ _STATUS = "PASSED|FAILED|ERROR|SKIPPED|XFAIL|XPASS"
 _VERBOSE = re.compile(rf"^(?P<id>[^\s].*?::.+?) (?P<st>{_STATUS})(?: +\[ *\d+%\])?\s*$")
 _SUMMARY = re.compile(rf"^(?P<st>{_STATUS}) (?P<id>[^\s\[]\S*(?:::.*?)?)(?: - .*)?\s*$")
 LOG = "/tmp/kiln-test-output.log"
+_ASSIGN = re.compile(r"^([A-Za-z_][A-Za-z0-9_]*)=(.*)$", re.S)
 
 
 @dataclass
@@ -46,6 +47,21 @@ def parse_pytest(log: str) -> dict[str, str]:
             summary[m["id"]] = m["st"]
     out.update(summary)
     return out
+
+
+def leading_env(command: str) -> dict[str, str]:
+    """The `NAME=value` assignments a shell command starts with."""
+    try:
+        words = shlex.split(command)
+    except ValueError:
+        return {}
+    env = {}
+    for w in words:
+        m = _ASSIGN.match(w)
+        if not m:
+            break
+        env[m[1]] = m[2]
+    return env
 
 
 def run_tests(sandbox, command: str, timeout_s: float, ids: list[str] | None = None) -> TestRun:

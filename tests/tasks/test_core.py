@@ -7,7 +7,7 @@ from kiln.grading.correctness import grade_correctness, is_test_path
 from kiln.sandbox import Snapshot, create
 from kiln.tasks.patch import make_patch
 from kiln.tasks.record import Task, TaskError, load_suite, load_task, save_task
-from kiln.tasks.testrun import parse_pytest
+from kiln.tasks.testrun import leading_env, parse_pytest
 from kiln.tasks.validate import apply_patch_in, validate
 
 BUGGY = "def add(a, b):\n    return a - b\n\n\ndef mul(a, b):\n    return a * b\n"
@@ -50,6 +50,17 @@ def test_parse_pytest_outcomes():
     assert st["tests/t.py::test_a"] == "ERROR"  # the summary's teardown error wins
     assert st["tests/t.py::test_b[x y]"] == "FAILED" and st["tests/t.py::test_d"] == "XFAIL"
     assert st["tests/u.py"] == "ERROR"
+
+
+def test_the_test_commands_environment_is_the_agents(tmp_path, tcfg):
+    """An agent's own `python -m pytest` runs with the grader's environment (no autoloaded plugins)."""
+    assert leading_env("A=1 B='x y' python -m pytest C=2") == {"A": "1", "B": "x y"}
+    assert leading_env("python -m pytest") == {} and leading_env("unclosed 'quote") == {}
+    task = make_task(tmp_path)
+    with create(Snapshot.from_dir(task.repo_dir, tcfg.state_dir), task.sandbox_config(tcfg)) as sb:
+        assert sb.exec("echo $PYTEST_DISABLE_PLUGIN_AUTOLOAD").output.strip() == "1"
+    custom = make_task(tmp_path, id="calc-2", test_command="python -m pytest -rA")
+    assert custom.sandbox_config(tcfg) is tcfg
 
 
 def test_validate_derives_f2p_and_p2p(tmp_path, tcfg):
