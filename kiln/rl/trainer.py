@@ -34,8 +34,9 @@ class Group:
     rewards: list[dict[str, float]]  # per rollout: reward axes from rewards.reward_axes
 
 
-def target_logp(model, batch: Batch, rows: slice, temperature: float, replay: bool, replay_ratio: float):
-    """[rows, T-1] logprobs of the targets (0 elsewhere) and the number of replayed experts replaced."""
+def target_logp(model, batch: Batch, rows, temperature: float, replay: bool, replay_ratio: float):
+    """[rows, T-1] logprobs of the targets (0 elsewhere) and the number of replayed experts replaced;
+    `rows` is a slice or a tensor of row indices."""
     full = torch.zeros(batch.mask[rows].shape)
     cols = batch.mask[rows].any(0).nonzero()
     n = int(cols.max()) + 2 if len(cols) else 2  # the chunk's own width: padding past its longest row is skipped
@@ -87,7 +88,10 @@ class RLTrainer:
         self.opt.zero_grad(set_to_none=True)
         loss_sum, replaced = 0.0, 0
         trainer_lp = torch.zeros_like(batch.mask)
-        for rows in _chunks(n_rows):
+        # A row whose advantage is 0 adds nothing to the gradient under every aggregation: it is not
+        # run (with mixed_groups_only or positive_only, most rows of a step).
+        trained = adv[batch.traj] != 0
+        for rows in _chunks(trained.nonzero()[:, 0]):
             lp, r = target_logp(self.model, batch, rows, rl.temperature, True, rl.replay_ratio)
             loss = _chunk_loss(lp, adv[batch.traj[rows]], batch, rows, rl, n_rows, n_tokens)
             loss.backward()
@@ -98,17 +102,20 @@ class RLTrainer:
         self.opt.step()
         self.version += 1
         return {"version": self.version, "loss": loss_sum, "grad_norm": grad_norm, "replaced_experts": replaced,
-                **_mismatch(trainer_lp, batch), **_reward_metrics(groups, reward, kl),
+                **_mismatch(trainer_lp, batch, trained), **_reward_metrics(groups, reward, kl),
                 **_tokens(trajs), "lag": _lag(batch, self.version - 1),
-                "groups_mixed": len(groups) - len(set(gid[uniform].tolist())), "train_tokens": int(n_tokens), "step_s": time.monotonic() - t0,
+                "groups_mixed": len(groups) - len(set(gid[uniform].tolist())), "train_tokens": int(n_tokens),
+                "trained_rows": int(trained.sum()), "step_s": time.monotonic() - t0,
                 "tokens_per_s": n_tokens / max(time.monotonic() - t0, 1e-9)}
 
 
-def _chunks(n: int):
-    return [slice(i, min(i + ROWS_PER_CHUNK, n)) for i in range(0, n, ROWS_PER_CHUNK)]
+def _chunks(rows):
+    """Consecutive runs of ROWS_PER_CHUNK of `rows` (a count: 0..n-1, or row indices, sorted by length)."""
+    idx = torch.arange(rows) if isinstance(rows, int) else rows
+    return [idx[i:i + ROWS_PER_CHUNK] for i in range(0, len(idx), ROWS_PER_CHUNK)]
 
 
-def _chunk_loss(lp, adv, batch: Batch, rows: slice, rl, n_rows: int, n_tokens: float) -> torch.Tensor:
+def _chunk_loss(lp, adv, batch: Batch, rows, rl, n_rows: int, n_tokens: float) -> torch.Tensor:
     """This chunk's share of the whole batch's loss under the configured aggregation."""
     mask = batch.mask[rows]
     tis = {"sampler_logp": batch.sampler_logp[rows], "tis_cap": rl.tis_cap} if rl.tis_cap else {}
@@ -119,10 +126,10 @@ def _chunk_loss(lp, adv, batch: Batch, rows: slice, rl, n_rows: int, n_tokens: f
     return policy_loss(lp, adv, mask, "seq_mean", **tis) * (mask.shape[0] / n_rows)
 
 
-def _mismatch(trainer_lp: torch.Tensor, batch: Batch) -> dict:
-    """Train/inference mismatch on the sampled tokens: KL(sampler || trainer) by k1 and k3, the
-    largest logprob gap, and statistics of the ratio pi_trainer / pi_sampler."""
-    keep = batch.mask.bool()
+def _mismatch(trainer_lp: torch.Tensor, batch: Batch, trained: torch.Tensor) -> dict:
+    """Train/inference mismatch on the sampled tokens of the trained rows: KL(sampler || trainer) by
+    k1 and k3, the largest logprob gap, and statistics of the ratio pi_trainer / pi_sampler."""
+    keep = batch.mask.bool() & trained[:, None]
     if not keep.any():
         return {}
     d = (trainer_lp - batch.sampler_logp)[keep]  # log(pi_train / pi_sampler)

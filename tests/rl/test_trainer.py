@@ -125,6 +125,7 @@ def test_mixed_groups_only_leaves_a_group_without_a_solve_untrained(setup, mixed
     moved = any(not torch.equal(a, b) for a, b in zip(before, model.parameters()))
     assert moved is not mixed_only
     assert m["groups_mixed"] == 0
+    assert m["trained_rows"] == (0 if mixed_only else 2)  # rows whose advantage is 0 are not run
 
 
 @pytest.mark.parametrize("positive_only", [False, True])
@@ -138,3 +139,4 @@ def test_positive_only_drops_the_failed_rollouts_from_the_loss(setup, positive_o
     # Dr. GRPO: -sum(A * ratio) / constant with ratio 1 at the sampled weights; A = +0.5 and -0.5
     want = (-0.5 * n[0] + (0 if positive_only else 0.5 * n[1])) / rl.loss_constant
     assert m["loss"] == pytest.approx(want, rel=1e-5)
+    assert m["trained_rows"] == (1 if positive_only else 2)
