@@ -33,6 +33,14 @@ class LineBar(_tqdm):
             self._printed = now
         return True
 
+    # tqdm.write() and nested bars clear and move the cursor with '\r' and '\n' around their own
+    # output; a bar printed as whole lines has nothing to clear and no cursor to move.
+    def clear(self, nolock=False):
+        pass
+
+    def moveto(self, n):
+        pass
+
     def close(self):
         if not self.disable and not self._final:
             self._final = True

@@ -37,3 +37,21 @@ def test_a_log_file_gets_lines_not_redraws(tmp_path):
         subprocess.run([sys.executable, "-c", code], stderr=log, check=True)
     text = (tmp_path / "log").read_text()
     assert "\r" not in text and text.splitlines()[-1].startswith("job: 100%")
+
+
+def test_messages_and_nested_bars_in_a_log_add_no_carriage_returns(tmp_path):
+    """tqdm.write (the trainers' eval lines) and a bar inside a bar, in one log as `> log 2>&1` makes it."""
+    code = ("from kiln.progress import tqdm\n"
+            "with tqdm(total=2, desc='outer') as outer:\n"
+            "    for i in range(2):\n"
+            "        tqdm.write(f'eval {i}')\n"
+            "        for _ in tqdm(range(3), desc='inner', leave=False): pass\n"
+            "        outer.update(1)\n")
+    with open(tmp_path / "log", "w") as log:
+        subprocess.run([sys.executable, "-c", code], stdout=log, stderr=log, check=True)
+    text = (tmp_path / "log").read_text()
+    assert "\r" not in text
+    lines = text.splitlines()
+    assert "eval 0" in lines and "eval 1" in lines  # each message a line of its own
+    assert all(line.split(":")[0] in ("outer", "inner") for line in lines if not line.startswith("eval"))
+    assert lines[-1].startswith("outer: 100%")
