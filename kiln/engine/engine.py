@@ -12,6 +12,7 @@ caller's, `generate`'s, or `serve`'s loop).
 from __future__ import annotations
 
 import itertools
+import logging
 import queue
 import threading
 from dataclasses import dataclass, field
@@ -20,8 +21,15 @@ import torch
 
 from kiln.engine.detok import Detokenizer
 from kiln.engine.fast import FastTrunk
+from kiln.engine.fast import supports as fast_supports
 from kiln.engine.kvcache import KVCache
-from kiln.engine.native import MAX_TOKENS, NativeTrunk, library, supported
+from kiln.engine.native import (
+    MAX_TOKENS,
+    NativeTrunk,
+    family_supported,
+    library,
+    supported,
+)
 from kiln.engine.prefix import PrefixCache
 from kiln.engine.sampling import (
     SamplingParams,
@@ -35,6 +43,7 @@ from kiln.engine.speculative import SpecStats, draft, spec_step
 # matmuls. On 2 cores with the tiny preset, 8 sequences one after another decode 1.7x faster than
 # torch batching them (weights read for one stay cached for the next).
 NATIVE_MAX_BATCH = 8
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -100,8 +109,11 @@ class Engine:
             mtp.depth, max_batch, self.max_len, cfg.num_key_value_heads, cfg.head_dim, self.dtype, self.device)
         self.prefix = PrefixCache(prefix_slots, self.cache) if prefix_slots > 0 else None
         self.default_stop_ids = _stop_ids(tokenizer, cfg)
-        self.fast = FastTrunk(model) if self.dtype == torch.float32 else None
+        self.fast = FastTrunk(model) if self.dtype == torch.float32 and fast_supports(model) else None
         # Few sequences on the CPU: native.c's step (no per-op dispatch); `native=False` opts out.
+        if native and self.device.type == "cpu" and not family_supported(model):
+            log.warning("kiln: the native decoding step does not cover %s models; this engine decodes through torch",
+                        cfg.model_type)
         lib = library() if native and self.device.type == "cpu" and supported(model, mtp) else None
         self.native = NativeTrunk(model, lib, self.max_len, mtp) if lib is not None else None
         self.running: list[Request] = []
@@ -325,7 +337,8 @@ class Engine:
 def _stop_ids(tokenizer, cfg) -> set[int]:
     if tokenizer is not None:
         return {tokenizer.eos_id, tokenizer.endoftext_id}
-    return {cfg.eos_token_id} if cfg.eos_token_id is not None else set()
+    eos = cfg.eos_token_id
+    return set(eos) if isinstance(eos, list) else ({eos} if eos is not None else set())
 
 
 def _copy_into(module: torch.nn.Module, state: dict[str, torch.Tensor]) -> None:

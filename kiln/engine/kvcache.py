@@ -22,6 +22,7 @@ class KVCache:
         self._start = self._count = 0
         self._pos: torch.Tensor | None = None
         self._ctx = 0
+        self._windows: dict[int, torch.Tensor | None] = {}
 
     def begin(self, start: int, positions: torch.Tensor) -> None:
         """Prepare one forward over slots start..start+B-1 whose tokens sit at `positions` [B, T]
@@ -33,11 +34,23 @@ class KVCache:
         if self._ctx > self.max_len:
             raise ValueError(f"position {self._ctx - 1} is past the cache length {self.max_len}")
         self._start, self._count, self._pos = start, b, positions
+        self._windows = {}
         if b == 1 and (positions.shape[1] == 1 or int(positions[0, 0]) == 0):
             self.mask = None  # one sequence: all of its context (T = 1) or plain causal (from 0)
         else:
             keys = torch.arange(self._ctx, device=positions.device)
             self.mask = (keys <= positions[:, :, None])[:, None]  # [B, 1, T, ctx]
+
+    def window_mask(self, window: int) -> torch.Tensor | None:
+        """`mask` for a sliding-window layer: a query at p also sees no key at or before p - window."""
+        if window not in self._windows:
+            if self._ctx <= window:  # no query reaches back that far
+                self._windows[window] = self.mask
+            else:
+                keys = torch.arange(self._ctx, device=self._pos.device)
+                p = self._pos[:, :, None]
+                self._windows[window] = ((keys <= p) & (keys > p - window))[:, None]
+        return self._windows[window]
 
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor):
         """Write k/v [B, H, T, hd] at the prepared positions; return the slots' keys and values."""

@@ -1,7 +1,8 @@
 /* kiln's native decoding step: the fp32 MoE trunk for one sequence and a few tokens, in plain C.
  *
  * Decoding a tiny model one token at a time on a CPU costs hundreds of small tensor ops per token,
- * each a dispatch; this does the same math (kiln/model/moe.py) in one call that reads every weight
+ * each a dispatch; this does the same math (kiln/model/moe.py; also Qwen3 dense and Llama, whose
+ * layers are the same block without experts or q/k norms) in one call that reads every weight
  * once per call, straight from the model's own parameter memory. Tokens of one call are processed
  * in order with the same per-token arithmetic as a one-token call, so a k-token call (speculative
  * verification) gives bit-identical results to k one-token calls (plain decoding).
@@ -21,7 +22,8 @@ typedef struct {
     int norm_topk, max_tokens;
     float eps;
     const float *embed, *head, *inv_freq;
-    /* per layer (arrays of n_layers pointers); a layer is MoE when router[l] is not NULL */
+    /* per layer (arrays of n_layers pointers); a layer is MoE when router[l] is not NULL; q_norm and
+     * k_norm are NULL for a family without them */
     const float **ln1, **wq, **wk, **wv, **q_norm, **k_norm, **wo, **ln2;
     const float **router, **gate_up, **down;  /* MoE: [E, D], [E, 2I, D], [E, D, I] */
     const float **gate, **up, **down_dense;   /* dense SwiGLU: [I, D], [I, D], [D, I] */
@@ -214,12 +216,12 @@ static void block(const Model *m, int l, float *hidden, int T, int pos0, float *
         int pos = pos0 + t;
         for (int j = 0; j < H; j++) {
             float *qj = q + (int64_t)t * Q + j * hd;
-            rms_norm(qj, m->q_norm[l], qj, hd, m->eps);
+            if (m->q_norm[l]) rms_norm(qj, m->q_norm[l], qj, hd, m->eps);  /* NULL: none (Llama) */
             rope(qj, hd, pos, m->inv_freq);
         }
         for (int j = 0; j < KV; j++) {
             float *kj = k + (int64_t)t * KVD + j * hd;
-            rms_norm(kj, m->k_norm[l], kj, hd, m->eps);
+            if (m->k_norm[l]) rms_norm(kj, m->k_norm[l], kj, hd, m->eps);
             rope(kj, hd, pos, m->inv_freq);
             memcpy(kc + ((int64_t)j * max_len + pos) * hd, kj, hd * sizeof(float));
             memcpy(vc + ((int64_t)j * max_len + pos) * hd, v + (int64_t)t * KVD + j * hd, hd * sizeof(float));

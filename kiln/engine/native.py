@@ -25,6 +25,8 @@ from pathlib import Path
 
 import torch
 
+from kiln.engine.fast import supports as fast_supports
+from kiln.model.causal_lm import CausalLM
 from kiln.model.moe import MoeBlock
 
 MAX_TOKENS = 16
@@ -103,11 +105,20 @@ def _cpu_id() -> str:
 
 
 def supported(model, mtp=None) -> bool:
-    """fp32 parameters on the CPU, contiguous, and top-k within the C code's bound."""
+    """fp32 parameters on the CPU, contiguous, top-k within the C code's bound, and layers the C
+    code computes: the shared pre-norm block (q/k norms optional) with full attention at the
+    default scale, no biases, SwiGLU (Qwen3-MoE, Qwen3, Llama; not Gemma 3)."""
     cfg = model.config
     params = list(model.parameters()) + (list(mtp.parameters()) if mtp is not None else [])
-    return (cfg.num_experts_per_tok <= 16 and cfg.num_attention_heads % cfg.num_key_value_heads == 0
+    return (family_supported(model) and cfg.num_experts_per_tok <= 16
+            and cfg.num_attention_heads % cfg.num_key_value_heads == 0
             and all(p.dtype == torch.float32 and p.device.type == "cpu" and p.is_contiguous() for p in params))
+
+
+def family_supported(model) -> bool:
+    cfg = model.config
+    return (fast_supports(model) and type(model).embed is CausalLM.embed and cfg.final_logit_softcapping is None
+            and not cfg.attention_bias and not cfg.mlp_bias and cfg.hidden_act == "silu")
 
 
 def _ptr(t: torch.Tensor | None):
@@ -143,7 +154,8 @@ def _struct(model, layers, max_len: int, keep: list, mtp_layers=None) -> _Model:
         embed=_ptr(model.model.embed_tokens.weight), head=_ptr(model.lm_head.weight), inv_freq=_ptr(inv_freq),
         ln1=per_layer(lambda la: la.input_layernorm.weight), wq=per_layer(lambda la: la.self_attn.q_proj.weight),
         wk=per_layer(lambda la: la.self_attn.k_proj.weight), wv=per_layer(lambda la: la.self_attn.v_proj.weight),
-        q_norm=per_layer(lambda la: la.self_attn.q_norm.weight), k_norm=per_layer(lambda la: la.self_attn.k_norm.weight),
+        q_norm=per_layer(lambda la: la.self_attn.q_norm.weight if la.self_attn.qk_norm else None),
+        k_norm=per_layer(lambda la: la.self_attn.k_norm.weight if la.self_attn.qk_norm else None),
         wo=per_layer(lambda la: la.self_attn.o_proj.weight),
         ln2=per_layer(lambda la: la.post_attention_layernorm.weight),
         router=per_layer(lambda la: la.mlp.gate.weight if isinstance(la.mlp, MoeBlock) else None),

@@ -21,7 +21,7 @@ import torch
 
 from kiln.engine.native import MAX_TOKENS
 from kiln.engine.sampling import draw, policy_logprobs, sample_row, sampling_probs
-from kiln.model.moe import rope_tables
+from kiln.model.layers import rope_tables
 
 
 @dataclass

@@ -1,5 +1,6 @@
 """Checkpoints in Hugging Face layout: config.json + model.safetensors (+ tokenizer files), and
-the MTP module beside them in mtp.safetensors (HF ignores files it does not know).
+the MTP module beside them in mtp.safetensors (HF ignores files it does not know). Every family
+(families.py) reads and writes the same way; config.json's model_type says which one loads.
 
 Experts are written one tensor per expert and projection (`mlp.experts.3.gate_proj.weight`), the
 layout of published Qwen3-MoE checkpoints that every transformers version reads; in memory they
@@ -17,8 +18,9 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
+from kiln.model.causal_lm import CausalLM
 from kiln.model.config import ModelConfig
-from kiln.model.moe import MoeForCausalLM
+from kiln.model.families import build_model
 
 WEIGHTS, INDEX, MTP_WEIGHTS, CONFIG = "model.safetensors", "model.safetensors.index.json", "mtp.safetensors", "config.json"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
@@ -65,7 +67,7 @@ def fuse_experts(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return out
 
 
-def save_checkpoint(model: MoeForCausalLM, out_dir: str | Path, mtp: torch.nn.Module | None = None,
+def save_checkpoint(model: CausalLM, out_dir: str | Path, mtp: torch.nn.Module | None = None,
                     tokenizer_dir: str | Path | None = None, dtype: torch.dtype | None = None) -> Path:
     """Write the model (and MTP module, tokenizer files) to `out_dir` in HF layout. Files are
     written under temporary names and renamed, so a crash never leaves a half checkpoint."""
@@ -131,12 +133,13 @@ def read_tensors(ckpt_dir: str | Path) -> dict[str, torch.Tensor]:
 
 def load_checkpoint(ckpt_dir: str | Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
                     with_mtp: bool = True):
-    """(model, mtp or None) from a checkpoint directory, in eval mode."""
+    """(model, mtp or None) from a checkpoint directory, in eval mode; the family (model class) is
+    config.json's model_type (or architectures)."""
     from kiln.model.mtp import MTP
 
     cfg = read_config(ckpt_dir)
     with torch.device("meta"):
-        model = MoeForCausalLM(cfg)
+        model = build_model(cfg)
     state = fuse_experts(read_tensors(ckpt_dir))
     if cfg.tie_word_embeddings:
         state.setdefault("lm_head.weight", state["model.embed_tokens.weight"])

@@ -15,16 +15,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kiln.model.causal_lm import DEFAULT_REPLAY_RATIO, CausalLM
 from kiln.model.config import ModelConfig
-from kiln.model.moe import (
-    DEFAULT_REPLAY_RATIO,
-    DecoderLayer,
-    MoeForCausalLM,
-    RMSNorm,
-    document_mask,
-    init_weights,
-    rope_tables,
-)
+from kiln.model.families import model_class
+from kiln.model.layers import RMSNorm, document_mask, init_weights, rope_tables
+
+# Families whose decoder layer is the plain pre-norm block at the global RoPE base; Gemma 3's
+# layers (sliding windows with their own base, offset norms) would need their own MTP design.
+MTP_FAMILIES = ("qwen3_moe", "qwen3", "llama")
 
 
 class MTPLayer(nn.Module):
@@ -33,7 +31,7 @@ class MTPLayer(nn.Module):
         self.hnorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.enorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.eh_proj = nn.Linear(2 * cfg.hidden_size, cfg.hidden_size, bias=False)
-        self.block = DecoderLayer(cfg, index, moe=cfg.num_experts > 0)
+        self.block = model_class(cfg).make_layer(cfg, index, cfg.num_experts > 0)
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(self, h, emb, rope, mask=None, cache=None):
@@ -46,6 +44,9 @@ class MTP(nn.Module):
         super().__init__()
         if depth < 1:
             raise ValueError(f"MTP depth must be >= 1 (got {depth})")
+        if cfg.model_type not in MTP_FAMILIES:
+            raise ValueError(f"MTP layers are built for {', '.join(MTP_FAMILIES)} models, not {cfg.model_type!r}: "
+                             "set model.mtp_depth=0")
         self.config = cfg
         self.layers = nn.ModuleList(MTPLayer(cfg, k) for k in range(depth))
         init_weights(self, cfg.initializer_range)
@@ -54,15 +55,15 @@ class MTP(nn.Module):
     def depth(self) -> int:
         return len(self.layers)
 
-    def logits(self, model: MoeForCausalLM, k: int, h: torch.Tensor, detach: bool = True) -> torch.Tensor:
+    def logits(self, model: CausalLM, k: int, h: torch.Tensor, detach: bool = True) -> torch.Tensor:
         w = model.lm_head.weight
         return F.linear(self.layers[k].norm(h), w.detach() if detach else w)
 
-    def embed(self, model: MoeForCausalLM, ids: torch.Tensor, detach: bool = True) -> torch.Tensor:
+    def embed(self, model: CausalLM, ids: torch.Tensor, detach: bool = True) -> torch.Tensor:
         w = model.model.embed_tokens.weight
         return F.embedding(ids, w.detach() if detach else w)
 
-    def forward(self, model: MoeForCausalLM, hidden: torch.Tensor, input_ids: torch.Tensor,
+    def forward(self, model: CausalLM, hidden: torch.Tensor, input_ids: torch.Tensor,
                 positions: torch.Tensor | None = None, doc_ids: torch.Tensor | None = None,
                 detach_trunk: bool = True, keep: torch.Tensor | None = None) -> list[torch.Tensor]:
         """Training forward over whole sequences. hidden: the trunk's output [B, T, D].

@@ -15,7 +15,8 @@ from kiln.engine import Engine, SamplingParams
 from kiln.engine.fast import FastTrunk
 from kiln.engine.kvcache import KVCache
 from kiln.engine.native import NativeTrunk, library
-from kiln.model.moe import MoeForCausalLM, rope_tables
+from kiln.model.layers import rope_tables
+from kiln.model.moe import MoeForCausalLM
 from tests.threads import one_thread  # noqa: F401 - autouse: one torch thread in this module
 from tests.tiny_model import tiny_config, tiny_model
 

@@ -64,7 +64,7 @@ def test_mtp_cache_holds_no_entry_computed_from_a_draft(models):
     """After every step, each MTP layer's cached keys at positions whose input tokens are known
     equal a fresh MTP pass over the accepted sequence: no entry is left from a rejected draft."""
     from kiln.engine.kvcache import KVCache
-    from kiln.model.moe import rope_tables
+    from kiln.model.layers import rope_tables
 
     model, mtp = models  # depth 2: layer 2's last entry is the one a draft could leave behind
     depth, cfg = mtp.depth, model.config

@@ -6,8 +6,8 @@ import json
 import pytest
 import torch
 
+from kiln.model import layers
 from kiln.model.config import ModelConfig
-from kiln.model import moe
 from kiln.model.moe import MoeBlock, MoeForCausalLM
 from tests.threads import one_thread  # noqa: F401 - autouse: one torch thread in this module
 
@@ -28,8 +28,8 @@ def model(seed: int = 0) -> MoeForCausalLM:
 
 @pytest.fixture(params=["mask", "spans"])
 def packing(request, monkeypatch):
-    """Both ways of keeping packed documents apart (model/moe.document_mask picks by row length)."""
-    monkeypatch.setattr(moe, "SPANS_FROM", 10**9 if request.param == "mask" else 1)
+    """Both ways of keeping packed documents apart (model/layers.document_mask picks by row length)."""
+    monkeypatch.setattr(layers, "SPANS_FROM", 10**9 if request.param == "mask" else 1)
     return request.param
 
 
@@ -161,8 +161,8 @@ def test_from_hf_reads_published_variants_and_rejects_others():
     old_style.update(rope_theta=1e6, num_local_experts=8)  # v4 keys, no head_dim
     cfg = ModelConfig.from_hf(old_style)
     assert (cfg.rope_theta, cfg.num_experts, cfg.head_dim) == (1e6, 8, 64)
-    with pytest.raises(ValueError, match="model_type 'llama'"):
-        ModelConfig.from_hf({**base, "model_type": "llama"})
+    with pytest.raises(ValueError, match="model_type .gpt2."):
+        ModelConfig.from_hf({**base, "model_type": "gpt2"})
     with pytest.raises(ValueError, match="hidden_act 'gelu'"):
         ModelConfig.from_hf({**base, "hidden_act": "gelu"})
     with pytest.raises(ValueError, match="rope_type 'yarn'"):

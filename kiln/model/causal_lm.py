@@ -1,0 +1,117 @@
+"""The causal language model every family shares: HF's `model.` prefix (embeddings, decoder
+layers, final norm) and `lm_head`, with one `trunk` / `head` interface, so the engine, the
+trainers and checkpoint I/O never branch on the family.
+
+A family (moe.py, qwen3.py, llama.py, gemma3.py) subclasses `CausalLM` and says how to build a
+decoder layer, which norm it uses, and whether embeddings are scaled.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from kiln.model.layers import (
+    RMSNorm,
+    TrunkOutput,
+    attention_mask,
+    init_weights,
+    inv_frequencies,
+    rope_tables,
+)
+
+DEFAULT_REPLAY_RATIO = 0.5
+
+
+class Backbone(nn.Module):
+    """HF's `model.` prefix: embeddings, decoder layers, final norm."""
+
+    def __init__(self, cfg, layers: list[nn.Module], norm: nn.Module):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(layers)
+        self.norm = norm
+        self.config = cfg
+        self._inv_freq: dict = {}  # not buffers: they must stay fp32 under .to(bf16)
+
+    def inv_freq(self, device: torch.device, local: bool = False) -> torch.Tensor:
+        """RoPE inverse frequencies: the global ones, or (local=True) sliding-window layers' own
+        base where the family has one (Gemma 3)."""
+        key = (device, local)
+        if key not in self._inv_freq:
+            cfg = self.config
+            inv = (inv_frequencies(cfg.head_dim, cfg.rope_local_base_freq) if local
+                   else inv_frequencies(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling))
+            self._inv_freq[key] = inv.to(device)
+        return self._inv_freq[key]
+
+
+class CausalLM(nn.Module):
+    norm_class: type[nn.Module] = RMSNorm
+    local_rope = False  # sliding-window layers use rope_local_base_freq (Gemma 3)
+
+    def __init__(self, cfg):
+        super().__init__()
+        self.config = cfg
+        layers = [self.make_layer(cfg, i, cfg.is_moe_layer(i)) for i in range(cfg.num_hidden_layers)]
+        self.model = Backbone(cfg, layers, self.norm_class(cfg.hidden_size, cfg.rms_norm_eps))
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        init_weights(self, cfg.initializer_range)
+
+    @staticmethod
+    def make_layer(cfg, index: int, moe: bool) -> nn.Module:
+        """Decoder layer `index`; its forward is (x, rope, mask, cache, replay, ratio) ->
+        (x, expert ids or None, aux loss or None, replaced)."""
+        raise NotImplementedError
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.model.embed_tokens(input_ids)
+
+    def trunk(self, input_ids: torch.Tensor, positions: torch.Tensor | None = None, cache=None,
+              routes: torch.Tensor | None = None, doc_ids: torch.Tensor | None = None,
+              replay_ratio: float = DEFAULT_REPLAY_RATIO) -> TrunkOutput:
+        """input_ids [B, T]; positions [B, T] (default 0..T-1; required with a cache); routes
+        [B, T, n_moe_layers, k] to replay (MoE families only); doc_ids [B, T] keep packed
+        documents from attending to each other (pass positions that restart per document)."""
+        b, t = input_ids.shape
+        if routes is not None and not self.config.moe_layers:
+            raise ValueError(f"router replay is for mixture-of-experts models only; this "
+                             f"{self.config.model_type!r} model has no routed layers (pass routes=None)")
+        if positions is None:
+            if cache is not None:
+                raise ValueError("positions are required when decoding with a cache")
+            positions = torch.arange(t, device=input_ids.device).expand(b, t)
+        x = self.embed(input_ids)
+        ropes, masks = {}, {}
+        used, aux, replaced, m = [], None, 0, 0
+        for layer in self.model.layers:
+            window = layer.self_attn.window
+            local = self.local_rope and window is not None
+            if local not in ropes:
+                ropes[local] = rope_tables(self.model.inv_freq(x.device, local), positions, x.dtype)
+            if cache is None and window not in masks:
+                masks[window] = attention_mask(t, doc_ids, window, x.device)
+            replay = None
+            if routes is not None and getattr(layer.mlp, "routed", False):
+                replay = routes[:, :, m]
+            x, idx, a, r = layer(x, ropes[local], masks.get(window), cache, replay, replay_ratio)
+            if idx is not None:
+                used.append(idx)
+                m += 1
+                replaced += r
+                aux = a if aux is None else (aux if a is None else aux + a)
+        return TrunkOutput(x, torch.stack(used, dim=2) if used else None, aux, replaced)
+
+    def head(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits = self.lm_head(self.model.norm(hidden))
+        cap = self.config.final_logit_softcapping
+        return logits if cap is None else torch.tanh(logits / cap) * cap
+
+    def forward(self, input_ids: torch.Tensor, **kw) -> torch.Tensor:
+        return self.head(self.trunk(input_ids, **kw).hidden)
+
+    def set_rope_theta(self, theta: float) -> None:
+        """Long-context extension: a larger RoPE base, as continued pretraining's second phase."""
+        self.config.rope_theta = theta
+        self.model._inv_freq = {}
