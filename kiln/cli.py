@@ -110,10 +110,20 @@ def agent(
     from kiln.policies import make_policy
 
     try:
-        pol = make_policy(cfg.policy, patch=open(patch).read() if patch else None, test_command=test)
+        gold = open(patch).read() if patch else None
+    except OSError as e:
+        fail(f"--patch {patch}: {e.strerror or e}")
+    try:
+        pol = make_policy(cfg.policy, patch=gold, test_command=test)
     except (ValueError, OSError) as e:
         fail(str(e))
-    run_session(cfg, pol, repo, prompt, apply=apply, out=out)
+    from kiln.policies.openai import PolicyError
+    try:
+        run_session(cfg, pol, repo, prompt, apply=apply, out=out)
+    except FileNotFoundError as e:  # --repo, or the folder of --out
+        fail(str(e))
+    except PolicyError as e:  # the endpoint is down, refuses, or answers nonsense: the user's server or URL
+        fail(f"{e} (check the server, policy.base_url and policy.model)")
 
 
 @sandbox_app.command("demo")

@@ -5,6 +5,7 @@ and `bench`. Each command resolves the config through cli.resolve like every oth
 """
 from __future__ import annotations
 
+import json
 import os
 import re
 import tempfile
@@ -18,7 +19,9 @@ tasks_app = typer.Typer(help="Make, import, export and describe task suites.", n
 
 Out = Annotated[str, typer.Option("--out", help="Folder to write task folders into.")]
 Repo = Annotated[str, typer.Option("--repo", help="A Python repository (or 'builtin:toolz').")]
-MaxN = Annotated[Optional[int], typer.Option("--max", help="Stop after this many kept tasks.")]
+# Every generator counts its tasks with --n; mutate, delete-feature and mine once spelt it --max.
+MaxN = Annotated[Optional[int], typer.Option("--n", min=1, help="Stop after this many kept tasks (default: all).")]
+OldMax = Annotated[Optional[int], typer.Option("--max", min=1, hidden=True, help="The old spelling of --n.")]
 Seed = Annotated[int, typer.Option("--seed", help="Seeds sampling; the same seed gives the same tasks.")]
 Workers = Annotated[int, typer.Option("--workers", help="Validations in parallel.")]
 
@@ -34,7 +37,7 @@ def _repo(path: str, work: str) -> str:
 
 
 @tasks_app.command("toy")
-def toy(out: Out, n: Annotated[int, typer.Option("--n", help="Number of tasks.")] = 30, seed: Seed = 0,
+def toy(out: Out, n: Annotated[int, typer.Option("--n", min=1, help="Number of tasks.")] = 30, seed: Seed = 0,
         level: Annotated[Optional[int], typer.Option("--level", help="1, 2 or 3; default cycles all.")] = None,
         split: Annotated[str, typer.Option("--split", help="eval or train: disjoint seed ranges.")] = "eval",
         workers: Workers = 2, overrides: Overrides = None, config: ConfigOpt = None, dry_run: DryRun = False):
@@ -46,6 +49,11 @@ def toy(out: Out, n: Annotated[int, typer.Option("--n", help="Number of tasks.")
     except ValueError as e:
         fail(str(e))
     typer.echo(str(y))
+
+
+def _count(n: int | None, old_max: int | None) -> int | None:
+    """--n, else its old spelling --max; None keeps every task that validates."""
+    return n if n is not None else old_max
 
 
 def _real(repo: str, generate) -> None:
@@ -61,32 +69,36 @@ def _real(repo: str, generate) -> None:
 
 
 @tasks_app.command("mutate")
-def mutate(repo: Repo, out: Out, max_n: MaxN = None, seed: Seed = 0, workers: Workers = 2,
+def mutate(repo: Repo, out: Out, max_n: MaxN = None, old_max: OldMax = None, seed: Seed = 0, workers: Workers = 2,
            overrides: Overrides = None, config: ConfigOpt = None, dry_run: DryRun = False):
     """Bug injection into a repository whose tests pass; keeps mutants that break some tests."""
     cfg = resolve(config, overrides, dry_run)
     from kiln.tasks.mutate import generate_mutants
-    _real(repo, lambda path, source: generate_mutants(path, out, cfg.sandbox, max_tasks=max_n, seed=seed,
+    n = _count(max_n, old_max)
+    _real(repo, lambda path, source: generate_mutants(path, out, cfg.sandbox, max_tasks=n, seed=seed,
                                                       workers=workers, source=source))
 
 
 @tasks_app.command("delete-feature")
-def delete_feature(repo: Repo, out: Out, max_n: MaxN = None, seed: Seed = 0, workers: Workers = 2,
-                   overrides: Overrides = None, config: ConfigOpt = None, dry_run: DryRun = False):
+def delete_feature(repo: Repo, out: Out, max_n: MaxN = None, old_max: OldMax = None, seed: Seed = 0,
+                   workers: Workers = 2, overrides: Overrides = None, config: ConfigOpt = None,
+                   dry_run: DryRun = False):
     """Remove a function or class; its tests become the hidden tests; the prompt asks for it."""
     cfg = resolve(config, overrides, dry_run)
     from kiln.tasks.delete_feature import generate_feature_deletions
-    _real(repo, lambda path, source: generate_feature_deletions(path, out, cfg.sandbox, max_tasks=max_n, seed=seed,
+    n = _count(max_n, old_max)
+    _real(repo, lambda path, source: generate_feature_deletions(path, out, cfg.sandbox, max_tasks=n, seed=seed,
                                                                 workers=workers, source=source))
 
 
 @tasks_app.command("mine")
-def mine(repo: Repo, out: Out, max_n: MaxN = None, overrides: Overrides = None, config: ConfigOpt = None,
-         dry_run: DryRun = False):
+def mine(repo: Repo, out: Out, max_n: MaxN = None, old_max: OldMax = None, overrides: Overrides = None,
+         config: ConfigOpt = None, dry_run: DryRun = False):
     """Commits that change source and tests together become tasks (repo at the parent commit)."""
     cfg = resolve(config, overrides, dry_run)
     from kiln.tasks.mine import mine_commits
-    _real(repo, lambda path, source: mine_commits(path, out, cfg.sandbox, max_tasks=max_n, source=source))
+    n = _count(max_n, old_max)
+    _real(repo, lambda path, source: mine_commits(path, out, cfg.sandbox, max_tasks=n, source=source))
 
 
 @tasks_app.command("stats")
@@ -219,5 +231,13 @@ def bench(suite: Annotated[Optional[str], typer.Option("--suite", help="Suite fo
         s = run_bench(b.suite, b.policy, passes=b.passes, workers=b.workers, out_dir=out_dir, config=cfg)
     except (TaskError, BenchError) as e:
         fail(str(e))
+    if s["errors"]:  # a rollout that raised is not scored: say so rather than report its 0 as a result
+        errors = os.path.join(out_dir, "errors.jsonl")
+        with open(errors, encoding="utf-8") as f:
+            last = json.loads(f.readlines()[-1])["error"]
+        note = f"{s['errors']} rollout(s) failed, the last with {last}; see {errors} (a rerun retries them)"
+        if not s["n_rollouts"]:
+            fail(note)
+        typer.echo(f"warning: {note}", err=True)
     typer.echo(f"{s['n_tasks']} tasks x {s['passes']} passes: correctness {s['correctness_mean']:.3f}; "
                f"report: {os.path.join(out_dir, 'report.md')}")

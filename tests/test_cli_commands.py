@@ -158,6 +158,12 @@ MISTAKES = [  # (command line, its error line); {tmp} is the test's folder, {sui
     ("tasks toy --out {tmp}/x --level 5", "error: level must be 1, 2, 3 or None (cycle), not 5"),
     ("tasks mine --repo {tmp}/empty --out {tmp}/x",
      "error: git rev-parse --git-dir in {tmp}/empty: fatal: not a git repository"),
+    ("tasks mutate --repo {tmp}/nope --out {tmp}/x", "error: --repo '{tmp}/nope' is not a directory"),
+    ("tasks delete-feature --repo {tmp}/nope --out {tmp}/x", "error: --repo '{tmp}/nope' is not a directory"),
+    ("sandbox demo sandbox.memory_mb=1", "error: sandbox.memory_mb: Input should be greater than or equal to 16"),
+    ("sft --checkpoint {tmp}/nope", "error: no checkpoint at '{tmp}/nope': run `kiln pretrain` first"),
+    ("rl --checkpoint {tmp}/nope run.out_dir={tmp}", "error: no checkpoint at '{tmp}/nope': run `kiln sft` first"),
+    ("rl rl.trainer_cpus=[9999] run.out_dir={tmp}", "error: rl.trainer_cpus names CPU(s) [9999]"),
 ]
 
 

@@ -1,0 +1,141 @@
+"""The commands no other test runs, run for real on tiny inputs through the `kiln` app: the task
+generators (with --n, and mutate/delete-feature/mine's old --max), the sandbox demo, a bench of the
+controls, SFT on a tiny checkpoint, and the error lines an unreachable endpoint gets."""
+from __future__ import annotations
+
+import json
+import socket
+
+import pytest
+from typer.testing import CliRunner
+
+from kiln.cli import app
+from kiln.tasks.record import load_suite
+from tests.pretrain.test_sft import oracle_like
+from tests.tasks import test_delete_feature, test_mutate
+from tests.tasks.test_mine import CALC, CALC2, TESTS, TESTS2, commit, git
+
+runner = CliRunner()
+
+
+def invoke(*args):
+    result = runner.invoke(app, [str(a) for a in args])
+    assert "Traceback" not in result.output
+    return result
+
+
+@pytest.fixture(scope="module")
+def state(tmp_path_factory, tcfg):
+    return f"sandbox.state_dir={tcfg.state_dir}"
+
+
+@pytest.fixture(scope="module")
+def toy_suite(tmp_path_factory, state):
+    out = tmp_path_factory.mktemp("toy")
+    result = invoke("tasks", "toy", "--out", out, "--n", 2, "--level", 1, state)
+    assert result.exit_code == 0, result.output
+    assert "2 kept" in result.stdout
+    return out
+
+
+def closed_port() -> int:
+    """A loopback port nothing listens on: bound once by us, then released."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_toy_makes_validated_tasks_and_refuses_a_count_below_one(toy_suite, tmp_path):
+    tasks = load_suite(str(toy_suite))
+    assert len(tasks) == 2 and {t.difficulty for t in tasks} == {1}
+    result = invoke("tasks", "toy", "--out", tmp_path, "--n", 0)
+    assert result.exit_code == 2 and "--n" in result.stderr and not list(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize("policy, score", [("oracle", "1.000"), ("noop", "0.000")])
+def test_bench_runs_the_controls(toy_suite, tmp_path, state, policy, score):
+    result = invoke("bench", "--suite", toy_suite, "--policy", policy, "--passes", 1, "--out", tmp_path, state)
+    assert result.exit_code == 0, result.output
+    assert result.stdout.splitlines()[-1] == f"2 tasks x 1 passes: correctness {score}; report: {tmp_path}/report.md"
+    assert json.loads((tmp_path / "summary.json").read_text())["n_rollouts"] == 2
+
+
+def test_bench_whose_every_rollout_fails_is_an_error(toy_suite, tmp_path, state):
+    url = f"http://127.0.0.1:{closed_port()}/v1"
+    result = invoke("bench", "--suite", toy_suite, "--policy", "openai", "--passes", 1, "--out", tmp_path,
+                    f'policy.base_url="{url}"', "policy.max_retries=0", state)
+    assert result.exit_code == 2, result.output
+    line = result.stderr.splitlines()[-1]  # after the progress bar's lines
+    assert line.startswith(f"error: 2 rollout(s) failed, the last with PolicyError: {url}/chat/completions failed")
+    assert line.endswith(f"see {tmp_path}/errors.jsonl (a rerun retries them)")
+
+
+def test_agent_mistakes_are_error_lines(tmp_path, state):
+    (tmp_path / "repo").mkdir()
+    url = f"http://127.0.0.1:{closed_port()}/v1"
+    cases = [
+        (["--repo", tmp_path / "nope"], f"error: --repo '{tmp_path / 'nope'}' is not a directory"),
+        (["--repo", tmp_path / "repo", "--policy", "oracle", "--patch", tmp_path / "gold.patch"],
+         f"error: --patch {tmp_path / 'gold.patch'}: No such file or directory"),
+        (["--repo", tmp_path / "repo", "--policy", "openai", f'policy.base_url="{url}"', "policy.max_retries=0"],
+         f"error: {url}/chat/completions failed after 1 attempts"),
+    ]
+    for args, error in cases:
+        result = invoke("agent", "--prompt", "fix it", *args, state)
+        assert result.exit_code == 2, result.output
+        [line] = result.stderr.splitlines()
+        assert line.startswith(error)
+
+
+def test_mutate_counts_with_n_and_still_takes_max(tmp_path, state):
+    repo = test_mutate.make_repo(tmp_path / "src")
+    result = invoke("tasks", "mutate", "--repo", repo, "--out", tmp_path / "a", "--n", 1, "--seed", 1, state)
+    assert result.exit_code == 0, result.output
+    kept = sorted(t.id for t in load_suite(str(tmp_path / "a")))
+    assert len(kept) == 1 and all(t.category == "bugfix" for t in load_suite(str(tmp_path / "a")))
+    result = invoke("tasks", "mutate", "--repo", repo, "--out", tmp_path / "b", "--max", 1, "--seed", 1, state)
+    assert result.exit_code == 0, result.output
+    assert sorted(t.id for t in load_suite(str(tmp_path / "b"))) == kept  # the old spelling, the same tasks
+    assert "--max" not in invoke("tasks", "mutate", "--help").stdout  # hidden
+
+
+def test_delete_feature_counts_with_n(tmp_path, state):
+    repo = test_delete_feature.make_repo(tmp_path / "src")
+    result = invoke("tasks", "delete-feature", "--repo", repo, "--out", tmp_path / "out", "--n", 1, state)
+    assert result.exit_code == 0, result.output
+    [task] = load_suite(str(tmp_path / "out"))
+    assert task.category == "feature" and task.prompt.startswith("Add `mini.")
+
+
+def test_mine_counts_with_n(tmp_path, state):
+    repo = tmp_path / "calc"
+    repo.mkdir()
+    git(repo, "init", "-q", "-b", "main")
+    commit(repo, "Initial calculator", {"calc.py": CALC, "tests/test_calc.py": TESTS})
+    commit(repo, "Add mul", {"calc.py": CALC2, "tests/test_calc.py": TESTS2})
+    result = invoke("tasks", "mine", "--repo", repo, "--out", tmp_path / "out", "--n", 1, state)
+    assert result.exit_code == 0, result.output
+    [task] = load_suite(str(tmp_path / "out"))
+    assert task.prompt == "Add mul" and task.category == "feature"
+
+
+def test_sandbox_demo(state):
+    result = invoke("sandbox", "demo", state)
+    assert result.exit_code == 0, result.output
+    assert "1 failed" in result.stdout and "1 passed" in result.stdout and "original still: buggy" in result.stdout
+    assert "new sandbox sees the fix: True" in result.stdout
+
+
+def test_sft_fine_tunes_a_checkpoint_on_given_trajectories(tiny_checkpoint, tmp_path, state):
+    trajs = tmp_path / "trajs"
+    trajs.mkdir()
+    for i in range(2):
+        oracle_like(f"Fix the bug in pkg/m{i}.py.", i).save(str(trajs / f"t{i}.json"))
+    phases = '[{name="sft", kind="sft", steps=2, seq_len=320, batch_size=2, lr=3e-3, warmup_steps=1}]'
+    result = invoke("sft", "--checkpoint", tiny_checkpoint, "--trajectories", trajs, "--oracle-tasks", 0,
+                    f"pretrain.phases={phases}", "pretrain.device=cpu", f"run.out_dir={tmp_path}", state)
+    assert result.exit_code == 0, result.output
+    assert "final loss on assistant tokens: " in result.stdout
+    assert result.stdout.splitlines()[-1] == f"checkpoint: {tmp_path}/tiny/sft/checkpoint"
+    assert (tmp_path / "tiny" / "sft" / "checkpoint" / "model.safetensors").is_file()
+    assert len((tmp_path / "tiny" / "sft" / "metrics.jsonl").read_text().splitlines()) == 2
