@@ -1,10 +1,18 @@
 """The commands no other test runs, run for real on tiny inputs through the `kiln` app: the task
 generators (with --n, and mutate/delete-feature/mine's old --max), the sandbox demo, a bench of the
-controls, SFT on a tiny checkpoint, and the error lines an unreachable endpoint gets."""
+controls, SFT on a tiny checkpoint, `kiln serve` as a process, and the error lines an unreachable
+endpoint gets."""
 from __future__ import annotations
 
 import json
+import os
+import select
+import signal
 import socket
+import subprocess
+import sys
+import time
+import urllib.request
 
 import pytest
 from typer.testing import CliRunner
@@ -139,3 +147,24 @@ def test_sft_fine_tunes_a_checkpoint_on_given_trajectories(tiny_checkpoint, tmp_
     assert result.stdout.splitlines()[-1] == f"checkpoint: {tmp_path}/tiny/sft/checkpoint"
     assert (tmp_path / "tiny" / "sft" / "checkpoint" / "model.safetensors").is_file()
     assert len((tmp_path / "tiny" / "sft" / "metrics.jsonl").read_text().splitlines()) == 2
+
+
+def test_serve_answers_on_loopback_and_stops_on_ctrl_c(tiny_checkpoint):
+    """The real entry point in its own process: it says where it listens, serves, and Ctrl-C ends it cleanly."""
+    proc = subprocess.Popen([sys.executable, "-m", "kiln", "serve", "--checkpoint", str(tiny_checkpoint), "--port", "0",
+                             "--model-name", "tiny-test"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    try:
+        ready, _, _ = select.select([proc.stdout], [], [], 120)
+        line = proc.stdout.readline() if ready else ""
+        assert line.startswith("serving tiny-test at http://127.0.0.1:"), (line, proc.poll())
+        url = line.split()[3]
+        with urllib.request.urlopen(url + "/models", timeout=30) as r:
+            assert [m["id"] for m in json.load(r)["data"]] == ["tiny-test"]
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 0 and out.strip() == "stopping" and "Traceback" not in err
