@@ -142,6 +142,7 @@ def test_stats_on_a_suite(small_suite):  # noqa: F811
 
 MISTAKES = [  # (command line, its error line); {tmp} is the test's folder, {suite} a real suite
     ("tasks stats {tmp}/nope", "error: {tmp}/nope: no such folder"),
+    ("tasks stats {tmp}/empty.jsonl", "error: {tmp}/empty.jsonl: not a folder"),
     ("tasks export {tmp}/nope --format swebench --out {tmp}/x", "error: {tmp}/nope: no such folder"),
     ("tasks export {suite} --format csv --out {tmp}/x", "error: --format 'csv': use harbor or swebench"),
     ("bench --suite {tmp}/nope", "error: {tmp}/nope: no such folder"),

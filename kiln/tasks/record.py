@@ -162,7 +162,7 @@ def load_suite(path: str) -> list[Task]:
     if os.path.exists(os.path.join(path, "task.toml")):
         return [load_task(path)]
     if not os.path.isdir(path):
-        raise TaskError(f"{path}: no such folder")
+        raise TaskError(f"{path}: {'not a folder' if os.path.exists(path) else 'no such folder'}")
     dirs = sorted(d for d in os.listdir(path) if os.path.exists(os.path.join(path, d, "task.toml")))
     if not dirs:
         raise TaskError(f"{path}: no task folders (each needs a task.toml)")
