@@ -5,6 +5,7 @@ Stage modules are imported inside their commands so `kiln --help` and `--dry-run
 
 from __future__ import annotations
 
+import os
 from typing import Annotated, NoReturn, Optional
 
 import typer
@@ -38,6 +39,16 @@ def fail(message: str) -> NoReturn:
     """A user mistake: one `error:` line on stderr and exit 2, no traceback."""
     typer.echo(f"error: {message}", err=True)
     raise typer.Exit(2)
+
+
+def make_out(path: str, flag: str = "--out") -> str:
+    """Create an output folder before any work, so a path that cannot be one is an error line now,
+    not a traceback after minutes of work."""
+    try:
+        os.makedirs(path, exist_ok=True)
+    except OSError as e:
+        fail(f"{flag} {path}: {e.strerror or e}")
+    return path
 
 
 def resolve(config: str | None, overrides: list[str] | None, dry_run: bool) -> Config:
@@ -109,6 +120,9 @@ def agent(
     from kiln.harness.session import run_session
     from kiln.policies import make_policy
 
+    if out and not os.path.isdir(os.path.dirname(os.path.abspath(out))):
+        fail(f"--out {out}: no folder {os.path.dirname(os.path.abspath(out))!r} to write it in")
+
     try:
         gold = open(patch).read() if patch else None
     except OSError as e:
@@ -120,7 +134,7 @@ def agent(
     from kiln.policies.openai import PolicyError
     try:
         run_session(cfg, pol, repo, prompt, apply=apply, out=out)
-    except FileNotFoundError as e:  # --repo, or the folder of --out
+    except FileNotFoundError as e:  # --repo
         fail(str(e))
     except PolicyError as e:  # the endpoint is down, refuses, or answers nonsense: the user's server or URL
         fail(f"{e} (check the server, policy.base_url and policy.model)")
@@ -150,6 +164,8 @@ def _mount_tasks() -> None:
     # Imported last: cli_tasks uses this module's shared option types and resolve().
     from kiln.cli_tasks import bench, tasks_app
     app.add_typer(tasks_app, name="tasks")
+    from kiln.cli_env import env_app
+    app.add_typer(env_app, name="env")
     app.command()(bench)
     from kiln.cli_model import probe_app, serve, tokenizer_app
     app.add_typer(tokenizer_app, name="tokenizer")

@@ -6,7 +6,7 @@ from typing import Annotated
 
 import typer
 
-from kiln.cli import fail
+from kiln.cli import fail, make_out
 
 tokenizer_app = typer.Typer(help="Train and inspect the byte-level BPE tokenizer.", no_args_is_help=True)
 probe_app = typer.Typer(help="Measure what a checkpoint can do, without an agent.", no_args_is_help=True)
@@ -35,6 +35,7 @@ def train(out: Annotated[str, typer.Option("--out", help="Folder to write the to
         fail(str(e))
     if not files:
         fail(f"no corpus files under {', '.join(roots)} (folders are searched for source and text files)")
+    make_out(out)
     try:
         result = train_tokenizer(files, Path(out), vocab, int(max_mb * 1e6), progress=True)
     except ValueError as e:
@@ -97,7 +98,7 @@ def probe_copy(checkpoints: Annotated[list[str], typer.Argument(help="Checkpoint
 
 def serve(checkpoint: Annotated[str, typer.Option("--checkpoint", help="A checkpoint folder (config.json, weights, tokenizer).")],
           host: Annotated[str, typer.Option("--host", help="Address to listen on.")] = "127.0.0.1",
-          port: Annotated[int, typer.Option("--port", help="Port to listen on; 0 picks a free one.")] = 8000,
+          port: Annotated[int, typer.Option("--port", min=0, max=65535, help="Port to listen on; 0 picks a free one.")] = 8000,
           max_batch: Annotated[int, typer.Option("--max-batch", help="Sequences decoded together.")] = 8,
           max_len: Annotated[int | None, typer.Option(
               "--max-len", help="Context length (prompt + reply); default: the model's.")] = None,

@@ -13,7 +13,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from kiln.cli import ConfigOpt, DryRun, Overrides, fail, resolve
+from kiln.cli import ConfigOpt, DryRun, Overrides, fail, make_out, resolve
 
 tasks_app = typer.Typer(help="Make, import, export and describe task suites.", no_args_is_help=True)
 
@@ -44,6 +44,7 @@ def toy(out: Out, n: Annotated[int, typer.Option("--n", min=1, help="Number of t
     """Procedurally generated mini-repositories with one defect or missing feature each."""
     cfg = resolve(config, overrides, dry_run)
     from kiln.tasks.toy import generate_toy
+    make_out(out)
     try:  # level, split and seed are checked before any work; a failing candidate is counted, not raised
         y = generate_toy(out, n, seed=seed, level=level, split=split, sandbox_cfg=cfg.sandbox, workers=workers)
     except ValueError as e:
@@ -56,11 +57,12 @@ def _count(n: int | None, old_max: int | None) -> int | None:
     return n if n is not None else old_max
 
 
-def _real(repo: str, generate) -> None:
-    """Run `generate(path, source)` on --repo; a repository it cannot work from is an error line."""
+def _real(repo: str, out: str, generate) -> None:
+    """Run `generate(path, source)` on --repo into --out; a repository it cannot work from is an error line."""
     from kiln.tasks.gen import GeneratorError
     with tempfile.TemporaryDirectory(prefix="kiln-src-") as work:
         path = _repo(repo, work)
+        make_out(out)
         try:
             y = generate(path, repo if repo.startswith("builtin:") else None)
         except GeneratorError as e:
@@ -75,7 +77,7 @@ def mutate(repo: Repo, out: Out, max_n: MaxN = None, old_max: OldMax = None, see
     cfg = resolve(config, overrides, dry_run)
     from kiln.tasks.mutate import generate_mutants
     n = _count(max_n, old_max)
-    _real(repo, lambda path, source: generate_mutants(path, out, cfg.sandbox, max_tasks=n, seed=seed,
+    _real(repo, out, lambda path, source: generate_mutants(path, out, cfg.sandbox, max_tasks=n, seed=seed,
                                                       workers=workers, source=source))
 
 
@@ -87,7 +89,7 @@ def delete_feature(repo: Repo, out: Out, max_n: MaxN = None, old_max: OldMax = N
     cfg = resolve(config, overrides, dry_run)
     from kiln.tasks.delete_feature import generate_feature_deletions
     n = _count(max_n, old_max)
-    _real(repo, lambda path, source: generate_feature_deletions(path, out, cfg.sandbox, max_tasks=n, seed=seed,
+    _real(repo, out, lambda path, source: generate_feature_deletions(path, out, cfg.sandbox, max_tasks=n, seed=seed,
                                                                 workers=workers, source=source))
 
 
@@ -98,7 +100,7 @@ def mine(repo: Repo, out: Out, max_n: MaxN = None, old_max: OldMax = None, overr
     cfg = resolve(config, overrides, dry_run)
     from kiln.tasks.mine import mine_commits
     n = _count(max_n, old_max)
-    _real(repo, lambda path, source: mine_commits(path, out, cfg.sandbox, max_tasks=n, source=source))
+    _real(repo, out, lambda path, source: mine_commits(path, out, cfg.sandbox, max_tasks=n, source=source))
 
 
 @tasks_app.command("stats")

@@ -78,6 +78,11 @@ def test_bench_whose_every_rollout_fails_is_an_error(toy_suite, tmp_path, state)
     assert line.endswith(f"see {tmp_path}/errors.jsonl (a rerun retries them)")
 
 
+def test_serve_refuses_a_port_out_of_range(tiny_checkpoint):
+    result = invoke("serve", "--checkpoint", tiny_checkpoint, "--port", 70000)
+    assert result.exit_code == 2 and "Invalid value for '--port'" in result.stderr
+
+
 def test_agent_mistakes_are_error_lines(tmp_path, state):
     (tmp_path / "repo").mkdir()
     url = f"http://127.0.0.1:{closed_port()}/v1"
@@ -95,16 +100,12 @@ def test_agent_mistakes_are_error_lines(tmp_path, state):
         assert line.startswith(error)
 
 
-def test_mutate_counts_with_n_and_still_takes_max(tmp_path, state):
+def test_mutate_counts_with_n(tmp_path, state):
     repo = test_mutate.make_repo(tmp_path / "src")
-    result = invoke("tasks", "mutate", "--repo", repo, "--out", tmp_path / "a", "--n", 1, "--seed", 1, state)
+    result = invoke("tasks", "mutate", "--repo", repo, "--out", tmp_path / "out", "--n", 1, "--seed", 1, state)
     assert result.exit_code == 0, result.output
-    kept = sorted(t.id for t in load_suite(str(tmp_path / "a")))
-    assert len(kept) == 1 and all(t.category == "bugfix" for t in load_suite(str(tmp_path / "a")))
-    result = invoke("tasks", "mutate", "--repo", repo, "--out", tmp_path / "b", "--max", 1, "--seed", 1, state)
-    assert result.exit_code == 0, result.output
-    assert sorted(t.id for t in load_suite(str(tmp_path / "b"))) == kept  # the old spelling, the same tasks
-    assert "--max" not in invoke("tasks", "mutate", "--help").stdout  # hidden
+    [task] = load_suite(str(tmp_path / "out"))
+    assert task.category == "bugfix" and task.provenance["generator"] == "mutate"
 
 
 def test_delete_feature_counts_with_n(tmp_path, state):
@@ -115,16 +116,24 @@ def test_delete_feature_counts_with_n(tmp_path, state):
     assert task.category == "feature" and task.prompt.startswith("Add `mini.")
 
 
-def test_mine_counts_with_n(tmp_path, state):
+def test_mine_counts_with_n_and_still_takes_max(tmp_path, state):
     repo = tmp_path / "calc"
     repo.mkdir()
     git(repo, "init", "-q", "-b", "main")
     commit(repo, "Initial calculator", {"calc.py": CALC, "tests/test_calc.py": TESTS})
     commit(repo, "Add mul", {"calc.py": CALC2, "tests/test_calc.py": TESTS2})
-    result = invoke("tasks", "mine", "--repo", repo, "--out", tmp_path / "out", "--n", 1, state)
-    assert result.exit_code == 0, result.output
-    [task] = load_suite(str(tmp_path / "out"))
-    assert task.prompt == "Add mul" and task.category == "feature"
+    commit(repo, "Add sub", {"calc.py": CALC2 + "\n\ndef sub(a, b):\n    return a - b\n",
+                             "tests/test_calc.py": TESTS2.replace("add, mul", "add, mul, sub")
+                             + "\n\ndef test_sub():\n    assert sub(3, 2) == 1\n"})
+    for flag in ("--n", "--max"):  # --max: the old spelling, kept working but hidden
+        out = tmp_path / flag.strip("-")
+        result = invoke("tasks", "mine", "--repo", repo, "--out", out, flag, 1, state)
+        assert result.exit_code == 0, result.output
+        [task] = load_suite(str(out))  # of two minable commits, the newest
+        assert task.prompt == "Add sub"
+    for cmd in ("mine", "mutate", "delete-feature"):
+        shown = invoke("tasks", cmd, "--help").stdout
+        assert "--n" in shown and "--max" not in shown
 
 
 def test_sandbox_demo(state):

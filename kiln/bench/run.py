@@ -157,7 +157,10 @@ def run_bench(suite_dir: str, policy_name: str, passes: int = 1, workers: int = 
         raise ValueError(f"passes ({passes}) and workers ({workers}) must be >= 1")
     tasks = load_suite(suite_dir)
     _check_policy(policy_name, tasks, config)
-    os.makedirs(os.path.join(out_dir, "trajectories"), exist_ok=True)
+    try:
+        os.makedirs(os.path.join(out_dir, "trajectories"), exist_ok=True)
+    except OSError as e:  # a path that cannot be a folder: the user's out_dir
+        raise BenchError(f"out_dir {out_dir}: {e.strerror or e}") from None
     _check_identity(out_dir, suite_dir, policy_name, config)
     log = ResultLog(os.path.join(out_dir, "results.jsonl"))
     todo = [(t, p) for t in tasks for p in range(passes) if key(t.id, p) not in log.done]  # task-major
