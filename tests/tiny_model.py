@@ -1,4 +1,5 @@
-"""A tiny real checkpoint (tokenizer + MoE + MTP) for engine, policy and server tests.
+"""A tiny real checkpoint (tokenizer + MoE + MTP) for engine, policy and server tests, and small
+random checkpoints of the dense families.
 
 Weights are random but scaled up so routing and sampling are not degenerate; nothing is trained,
 so tests check mechanics (caches, logprobs, routes, swaps, protocols), not quality.
@@ -12,6 +13,7 @@ import torch
 
 from kiln.model.checkpoint import save_checkpoint
 from kiln.model.config import ModelConfig
+from kiln.model.families import build_model
 from kiln.model.moe import MoeForCausalLM
 from kiln.model.mtp import MTP
 from kiln.model.tokenizer import list_corpus_files, train_tokenizer
@@ -43,3 +45,15 @@ def make_tiny_checkpoint(out: Path, seed: int = 0) -> Path:
     model, mtp = tiny_model(seed, vocab_size=tok.vocab_size)
     model.config.eos_token_id, model.config.pad_token_id = tok.eos_id, tok.pad_id
     return save_checkpoint(model, out / "ckpt", mtp=mtp, tokenizer_dir=tok_dir)
+
+
+def dense_checkpoint(out: Path, model_type: str, vocab: int, tokenizer_dir: Path) -> Path:
+    """A small random checkpoint of a dense family (qwen3, llama, gemma3_text), as `kiln pretrain
+    --init` gets a real one, with the tokenizer files of tokenizer_dir."""
+    extra = ({"hidden_act": "gelu_pytorch_tanh", "sliding_window": 16, "query_pre_attn_scalar": 16,
+              "layer_types": ["sliding_attention", "full_attention"]} if model_type == "gemma3_text" else {})
+    cfg = ModelConfig(model_type=model_type, vocab_size=vocab, hidden_size=64, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=16, intermediate_size=128,
+                      max_position_embeddings=512, tie_word_embeddings=True, **extra)
+    torch.manual_seed(0)
+    return save_checkpoint(build_model(cfg), out, tokenizer_dir=tokenizer_dir)

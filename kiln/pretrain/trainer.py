@@ -33,10 +33,11 @@ import torch
 import torch.nn.functional as F
 
 from kiln.config import project_path
+from kiln.model.causal_lm import CausalLM
 from kiln.model.checkpoint import load_checkpoint, save_checkpoint
 from kiln.model.config import ModelConfig
 from kiln.model.moe import MoeForCausalLM
-from kiln.model.mtp import MTP, mtp_loss
+from kiln.model.mtp import MTP, MTP_FAMILIES, mtp_loss
 from kiln.model.tokenizer import load_tokenizer
 from kiln.pretrain import checkpointing as ckpt
 from kiln.pretrain.copying import copy_probe, copy_rows
@@ -62,7 +63,7 @@ class PretrainError(ValueError):
 @dataclass
 class Run:
     """Everything a step changes; `trainer_state` saves it and `_resume` restores it."""
-    model: MoeForCausalLM
+    model: CausalLM
     mtp: MTP | None
     opt: torch.optim.Optimizer
     mtp_opt: torch.optim.Optimizer | None
@@ -201,6 +202,9 @@ def _fresh(cfg, tok, init: str | None, device: torch.device, metrics: ckpt.Metri
         if model.config.vocab_size < tok.vocab_size:
             raise PretrainError(f"--init {init} has a {model.config.vocab_size}-token vocabulary, smaller than the "
                                 f"tokenizer's {tok.vocab_size}: use the tokenizer the checkpoint was trained with")
+        if cfg.model.mtp_depth and model.config.model_type not in MTP_FAMILIES:
+            raise PretrainError(f"--init {init} is a {model.config.model_type} model; kiln's MTP layers are built for "
+                                f"{', '.join(MTP_FAMILIES)} models: set model.mtp_depth=0")
         mtp = mtp if cfg.model.mtp_depth else None
     else:
         mcfg = ModelConfig.from_section(cfg.model)

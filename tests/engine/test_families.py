@@ -97,3 +97,15 @@ def test_serve_answers_with_a_dense_family(tiny_checkpoint, tmp_path):
                                            temperature=0, max_tokens=8, extra_body={"ignore_eos": True})
     assert r.choices[0].finish_reason == "length" and r.usage.completion_tokens == 8
     assert len(r.choices[0].model_extra["kiln"]["token_ids"]) == 8
+
+
+def test_prefix_reuse_keeps_a_dense_familys_tokens(family):
+    """RL workers keep finished sequences for prefix reuse; a dense family keeps no routes there."""
+    _, path, want = family
+    model, _ = load_checkpoint(path)
+    engine = Engine(model, prefix_slots=4)
+    params = SamplingParams(temperature=0, max_tokens=N)
+    first = engine.generate(PROMPTS, params)
+    again = engine.generate(PROMPTS, params)  # each prompt now restores its kept prefix
+    assert [c.token_ids for c in first] == [c.token_ids for c in again] == want
+    assert all(c.routes is None for c in again)

@@ -34,6 +34,7 @@ from kiln.pretrain.sft_data import (
 from kiln.pretrain.trainer import PretrainError, Run
 from tests.threads import one_thread  # noqa: F401 - autouse: one torch thread in this module
 from tests.tiny_model import (
+    dense_checkpoint,
     tiny_model,
 )
 
@@ -273,3 +274,12 @@ def test_oracle_trajectories_parse(tcfg, tok, tmp_path):
             assert reply.errors == [] and bool(reply.calls) == (k < len(turns) - 1)
         _, mask = segment_tokens(traj.segments[0], tok)
         assert sum(mask) == sum(len(tok.encode(t.text)) + 1 for t in turns if t.kind != "mistake")  # never trained on
+
+
+def test_sft_on_a_dense_family_checkpoint(tiny_checkpoint, trajs, tmp_path):
+    init = dense_checkpoint(tmp_path / "llama", "llama", load_tokenizer(tiny_checkpoint).vocab_size, tiny_checkpoint)
+    summary = sft(sft_cfg(tmp_path / "run", "model.mtp_depth=0"), init, [str(trajs)], tmp_path / "run", progress=False)
+    losses = [r["loss"] for r in _rows(tmp_path / "run")]
+    assert summary["steps"] == 8 and losses[-1] < 0.8 * losses[0]
+    model, _ = load_checkpoint(tmp_path / "run" / "checkpoint")
+    assert model.config.model_type == "llama" and (tmp_path / "run" / "checkpoint" / "tokenizer.json").is_file()

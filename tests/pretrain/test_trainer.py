@@ -7,6 +7,7 @@ uint16 shard with the layout `kiln corpus build` writes (meta.json, train-00000.
 from __future__ import annotations
 
 import json
+import math
 import shutil
 import signal
 import subprocess
@@ -31,6 +32,7 @@ from kiln.model.tokenizer import (
 )
 from kiln.pretrain import trainer
 from kiln.pretrain.trainer import PretrainError, pretrain
+from tests.tiny_model import dense_checkpoint
 
 STDLIB = Path(sysconfig.get_paths()["stdlib"])
 # 20 bulk steps of 8 x 32 tokens, then 4 extension steps of 2 x 96 (2 micro-batches) at a new RoPE base.
@@ -318,3 +320,28 @@ def test_copy_practice_history_publish_and_continuation(data, tmp_path):
     assert cont["evals"][:len(evals)] == history["evals"]
     assert cont["evals"][-1]["tokens_seen"] == base["tokens_seen"] + cont["tokens_seen"]
     assert json.loads((Path(cont["checkpoint"]) / "history.json").read_text())["evals"] == cont["evals"]
+
+
+
+@pytest.mark.parametrize("model_type", ["llama", "qwen3", "gemma3_text"])
+def test_init_from_a_dense_family_trains(data, tmp_path, model_type):
+    corpus, tok = data
+    init = dense_checkpoint(tmp_path / "init", model_type, 512, tok)
+    phases = 'pretrain.phases=[{name="bulk", kind="bulk", steps=6, seq_len=32, batch_size=8, lr=0.01, warmup_steps=1}]'
+    mtp = "model.mtp_depth=0" if model_type == "gemma3_text" else "model.mtp_depth=1"
+    summary = pretrain(tiny_cfg(phases, mtp), corpus, tok, tmp_path / "run", init=str(init), progress=False)
+    rows = _rows(tmp_path / "run")
+    assert summary["steps"] == 6 and _train(rows)[-1] < _train(rows)[0]
+    assert [r["aux"] for r in rows if r["kind"] == "train"] == [0.0] * 6  # nothing routed, no balance loss
+    model, mtp_module = load_checkpoint(tmp_path / "run" / "checkpoint")
+    assert model.config.model_type == model_type
+    assert (mtp_module is None) == (model_type == "gemma3_text")  # MTP cut in for the dense Qwen3/Llama block
+    evals = [r for r in rows if r["kind"] == "eval"]
+    assert evals and all(math.isfinite(r["nll_per_token"]) for r in evals)
+
+
+def test_init_from_gemma_with_mtp_says_to_turn_it_off(data, tmp_path):
+    corpus, tok = data
+    init = dense_checkpoint(tmp_path / "init", "gemma3_text", 512, tok)
+    with pytest.raises(PretrainError, match=r"gemma3_text model; kiln's MTP layers are built for .*model\.mtp_depth=0"):
+        pretrain(tiny_cfg(), corpus, tok, tmp_path / "run", init=str(init), progress=False)

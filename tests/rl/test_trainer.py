@@ -140,3 +140,28 @@ def test_positive_only_drops_the_failed_rollouts_from_the_loss(setup, positive_o
     want = (-0.5 * n[0] + (0 if positive_only else 0.5 * n[1])) / rl.loss_constant
     assert m["loss"] == pytest.approx(want, rel=1e-5)
     assert m["trained_rows"] == (1 if positive_only else 2)
+
+
+def test_a_step_on_a_dense_family_scores_like_its_sampler_and_learns(tiny_checkpoint, tmp_path):
+    """`kiln rl` from a Llama checkpoint: no routes are recorded or replayed, the trainer's
+    logprobs are the engine's, and a step moves them with the advantage."""
+    from tests.tiny_model import dense_checkpoint
+
+    ckpt = dense_checkpoint(tmp_path / "llama", "llama", load_tokenizer(tiny_checkpoint).vocab_size, tiny_checkpoint)
+    model, _ = load_checkpoint(ckpt)
+    engine = Engine(model, load_tokenizer(ckpt), max_batch=4, max_len=256)
+    trajs = [_traj(engine, [1, 20 + i, 30, 40], seed=i) for i in range(4)]
+    batch = collate([s for i, t in enumerate(trajs) for s in sequences(t, i)])
+    assert batch.routes is None
+    rows = slice(0, len(batch.ids))
+    with torch.no_grad():
+        before, replaced = target_logp(model, batch, rows, 1.0, True, 0.5)
+    keep = batch.mask.bool()
+    assert (before - batch.sampler_logp)[keep].abs().max() < 1e-4 and replaced == 0
+    rl = Config().rl.model_copy(update={"lr": 3e-3, "temperature": 1.0})
+    rewards = [{"correctness": 1.0}, {"correctness": 0.0}, {"correctness": 0.0}, {"correctness": 1.0}]
+    RLTrainer(model, rl).step([Group(0, "a", "k", trajs[:2], rewards[:2]), Group(1, "b", "k", trajs[2:], rewards[2:])])
+    with torch.no_grad():
+        after, _ = target_logp(model, batch, rows, 1.0, True, 0.5)
+    gain = ((after - before) * batch.mask).sum(1)
+    assert gain[0] > 0 > gain[1] and gain[3] > 0 > gain[2]
