@@ -17,6 +17,7 @@ from kiln.model.checkpoint import copy_tokenizer, load_checkpoint, save_checkpoi
 from kiln.model.config import ModelConfig
 from kiln.model.families import build_model
 from kiln.model.layers import OffsetRMSNorm
+from kiln.model.mtp import MTP
 from kiln.serve import serve
 from tests.threads import one_thread  # noqa: F401 - autouse: one torch thread in this module
 
@@ -109,3 +110,17 @@ def test_prefix_reuse_keeps_a_dense_familys_tokens(family):
     again = engine.generate(PROMPTS, params)  # each prompt now restores its kept prefix
     assert [c.token_ids for c in first] == [c.token_ids for c in again] == want
     assert all(c.routes is None for c in again)
+
+
+@pytest.mark.parametrize("native", [True, False], ids=["native", "torch"])
+def test_speculative_decoding_with_mtp_keeps_greedy_tokens(family, native):
+    """MTP drafts for the dense Qwen3/Llama block: greedy output stays the plain greedy output."""
+    name, path, want = family
+    if name == "gemma3":
+        pytest.skip("MTP is not built for Gemma 3 (model/mtp.py)")
+    model, _ = load_checkpoint(path)
+    torch.manual_seed(1)
+    engine = Engine(model, mtp=MTP(model.config, depth=2).eval(), native=native)
+    outs = engine.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=N))
+    assert [c.token_ids for c in outs] == want
+    assert engine.spec_stats.steps > 0
