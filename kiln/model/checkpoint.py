@@ -111,7 +111,10 @@ def read_config(ckpt_dir: str | Path) -> ModelConfig:
     if not path.exists():
         raise CheckpointError(f"{ckpt_dir}: no {CONFIG}; is this a checkpoint directory? "
                               f"(expected {CONFIG} and {WEIGHTS}, as `kiln pretrain` writes)")
-    return ModelConfig.from_hf(json.loads(path.read_text()))
+    try:
+        return ModelConfig.from_hf(json.loads(path.read_text()))
+    except ValueError as e:  # a family or setting kiln does not run: name the file
+        raise CheckpointError(f"{path}: {e}") from None
 
 
 def read_tensors(ckpt_dir: str | Path) -> dict[str, torch.Tensor]:

@@ -16,7 +16,13 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from kiln.model import layers
-from kiln.model.checkpoint import CONFIG, load_checkpoint, read_tensors, save_checkpoint
+from kiln.model.checkpoint import (
+    CONFIG,
+    CheckpointError,
+    load_checkpoint,
+    read_tensors,
+    save_checkpoint,
+)
 from kiln.model.config import ARCHITECTURES, ModelConfig
 from kiln.model.families import build_model
 from kiln.model.layers import OffsetRMSNorm
@@ -204,3 +210,15 @@ def test_published_config_forms_load():
         ModelConfig.from_hf({**gemma, "attn_logit_softcapping": 50.0})
     with pytest.raises(ValueError, match="rope_type 'yarn'"):
         ModelConfig.from_hf({**smol, "rope_scaling": {"rope_type": "yarn", "factor": 4.0}})
+
+
+def test_a_family_kiln_does_not_run_is_a_clear_error(tmp_path):
+    save_checkpoint(build_model(CONFIGS["qwen3"]), tmp_path)
+    good = json.loads((tmp_path / CONFIG).read_text())
+    (tmp_path / CONFIG).write_text(json.dumps({**good, "model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]}))
+    with pytest.raises(CheckpointError, match=r"config\.json: config\.json has model_type 'gpt2'; kiln loads qwen3_moe, "
+                                              r"qwen3, llama, gemma3_text checkpoints"):
+        load_checkpoint(tmp_path)
+    # architectures alone (no model_type) still names the family
+    (tmp_path / CONFIG).write_text(json.dumps({k: v for k, v in good.items() if k != "model_type"}))
+    assert type(load_checkpoint(tmp_path)[0]).__name__ == "Qwen3ForCausalLM"
