@@ -7,6 +7,8 @@ costs) and a bare `subprocess.run("true")` (the floor for running any command).
 
 The last line is `name=value` pairs: create_p50_ms, fork_p50_ms, exec_overhead_p50_ms,
 copy_speedup (copy p50 / create p50), fork_copy_speedup (copy p50 / fork p50), and more.
+create_env: the same sandbox over a built task environment (the Debian base of `kiln env build-base`
+as its root, instead of the host's system directories); skipped when that base is not built.
 """
 from __future__ import annotations
 
@@ -22,6 +24,7 @@ import time
 from kiln.config import SandboxConfig
 from kiln.sandbox import Snapshot, create
 from kiln.sandbox.service import stop_service
+from kiln.tasks import env_base
 
 
 def make_repo(root: str, n_files: int, seed: int = 0) -> int:
@@ -64,6 +67,13 @@ def main() -> None:
         create(base, cfg).close()  # starts the per-process sandbox service once
 
         res: dict[str, list[float]] = {k: [] for k in ("create", "exec", "bare", "fork", "snapshot", "close", "copy")}
+        cache, layer = env_base.cache_dir(), env_base.base_id(env_base.DEFAULT_SUITE)
+        env_cfg = None
+        if env_base.have_layer(cache, layer):
+            env_cfg = cfg.model_copy(update={"rootfs": [env_base.layer_tree(cache, layer)], "workdir": "/app"})
+            res["create_env"] = []
+        else:
+            print(f"no Debian base in {cache} (kiln env build-base): create_env skipped")
         for i in range(args.n):
             box = None
 
@@ -84,6 +94,12 @@ def main() -> None:
             res["snapshot"].append(timed(box.snapshot))
             res["close"].append(timed(child.close))
             box.close()
+            if env_cfg is not None:
+                def make_env():
+                    nonlocal box
+                    box = create(base, env_cfg)
+                res["create_env"].append(timed(make_env))
+                box.close()
             if i % 10 == 9:
                 print(f"  {i + 1}/{args.n} samples", flush=True)
         for i in range(min(args.n, 7)):

@@ -164,6 +164,8 @@ def _mount_tasks() -> None:
     # Imported last: cli_tasks uses this module's shared option types and resolve().
     from kiln.cli_tasks import bench, tasks_app
     app.add_typer(tasks_app, name="tasks")
+    from kiln.cli_env import env_app
+    app.add_typer(env_app, name="env")
     app.command()(bench)
     from kiln.cli_model import probe_app, serve, tokenizer_app
     app.add_typer(tokenizer_app, name="tokenizer")

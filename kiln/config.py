@@ -60,6 +60,12 @@ class SandboxConfig(Section):
     env_allow: list[str] = ["LANG", "LC_ALL", "TERM", "TZ"]  # caller env vars passed through
     env: dict[str, str] = {}  # fixed extra env vars
     ro_binds: list[str] = []  # extra host paths visible read-only
+    # A built task environment (kiln/tasks/env_build.py): its layers' trees, top first, become the
+    # sandbox's read-only root instead of the host's system directories and kiln's Python.
+    rootfs: list[str] = []
+    uid: int = Field(0, ge=0)  # the user commands run as inside (a built environment's USER)
+    gid: int = Field(0, ge=0)
+    env_cache: str = ""  # built environments; empty = $KILN_ENV_CACHE, else ~/.cache/kiln/envs
     pool_size: int = Field(2, ge=0)  # warm sandboxes kept ready
     diff_exclude: list[str] = [".git", "__pycache__", ".pytest_cache", "*.pyc"]
 

@@ -171,6 +171,8 @@ MISTAKES = [  # (command line, its error line); {tmp} is the test's folder, {sui
     ("sft --checkpoint {tmp}/nope", "error: no checkpoint at '{tmp}/nope': run `kiln pretrain` first"),
     ("rl --checkpoint {tmp}/nope run.out_dir={tmp}", "error: no checkpoint at '{tmp}/nope': run `kiln sft` first"),
     ("rl rl.trainer_cpus=[9999] run.out_dir={tmp}", "error: rl.trainer_cpus names CPU(s) [9999]"),
+    ("env build {tmp}/nope", "error: {tmp}/nope: no Dockerfile"),
+    ("env build-base --suite sid", "error: --suite sid: kiln builds Debian bullseye, bookworm, trixie"),
 ]
 
 

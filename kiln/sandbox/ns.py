@@ -66,7 +66,7 @@ def prctl(option: int, arg: int) -> None:
     _check(_libc.prctl(ctypes.c_int(option), ctypes.c_ulong(arg), 0, 0, 0), "prctl")
 
 
-def map_ids(pid: int | str, inside: int, outside_uid: int, outside_gid: int) -> None:
+def map_ids(pid: int | str, inside: int, outside_uid: int, outside_gid: int, inside_gid: int | None = None) -> None:
     """Map one uid/gid into a fresh user namespace (the only mapping an unprivileged owner may write)."""
     base = f"/proc/{pid}"
     with open(f"{base}/setgroups", "w") as f:
@@ -74,7 +74,7 @@ def map_ids(pid: int | str, inside: int, outside_uid: int, outside_gid: int) -> 
     with open(f"{base}/uid_map", "w") as f:
         f.write(f"{inside} {outside_uid} 1")
     with open(f"{base}/gid_map", "w") as f:
-        f.write(f"{inside} {outside_gid} 1")
+        f.write(f"{inside if inside_gid is None else inside_gid} {outside_gid} 1")
 
 
 def loopback_up() -> None:

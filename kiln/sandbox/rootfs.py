@@ -1,10 +1,16 @@
 """Build a sandbox's root filesystem and switch into it (runs as pid 1 of the sandbox).
 
-The root is an empty tmpfs holding read-only binds of the host's system directories and
-the Python installation, a writable workspace (the overlay), a private /tmp and a minimal
-/dev. Nothing else of the host exists inside: home directories, /tmp, other sandboxes and
-kiln's own state are simply absent. A final user namespace locks every mount, so root
-inside cannot remount a read-only bind writable.
+Three kinds of root, by the spec:
+- host (default): an empty tmpfs holding read-only binds of the host's system directories and the
+  Python installation;
+- a built environment (`rootfs`: layer trees, top first): those layers as one read-only overlay,
+  the task's own Debian root, with nothing of the host but `ro_binds`;
+- a build step (`build`): the workspace overlay itself is the root, writable, with the host's DNS
+  configuration (the network is the host's, see zygote.py); what a command changes is the next layer.
+Then a writable workspace (the overlay) at `workdir`, a private /tmp and a minimal /dev. Nothing
+else of the host exists inside: home directories, /tmp, other sandboxes and kiln's own state are
+simply absent. A final user namespace locks every mount, so root inside cannot remount a read-only
+bind writable; it maps the sandbox's user (`uid`, `gid`: root unless an environment says USER).
 """
 from __future__ import annotations
 
@@ -22,9 +28,10 @@ _LOCKED = {os.ST_NOSUID: ns.MS_NOSUID, os.ST_NODEV: ns.MS_NODEV, os.ST_NOEXEC: 0
            os.ST_NOATIME: 0x400, os.ST_NODIRATIME: 0x800, os.ST_RELATIME: 0x200000}
 
 
-def bind_paths(extra: list[str], python_prefixes: list[str]) -> list[str]:
-    """Host paths to expose read-only, minus ones already inside another bind."""
-    paths = [p for p in (*SYSTEM_DIRS, *python_prefixes, *extra) if os.path.lexists(p)]
+def bind_paths(extra: list[str], python_prefixes: list[str], system: bool = True) -> list[str]:
+    """Host paths to expose read-only, minus ones already inside another bind. `system`: the host's
+    system directories too (not in a built root, which has its own)."""
+    paths = [p for p in (*(SYSTEM_DIRS if system else ()), *python_prefixes, *extra) if os.path.lexists(p)]
     keep: list[str] = []
     for p in sorted({os.path.normpath(p) for p in paths}):
         if not any(p == k or p.startswith(k.rstrip("/") + "/") for k in keep if not os.path.islink(k)):
@@ -42,6 +49,9 @@ def _bind_ro(src: str, dst: str) -> None:
 
 def _mkpoint(root: str, path: str, is_dir: bool) -> str:
     dst = root + path
+    real, top = os.path.realpath(dst), os.path.realpath(root)
+    if real != top and not real.startswith(top + "/"):  # a built root's symlink pointing out of it
+        raise OSError(f"{path} is a symlink leaving the sandbox's root filesystem")
     if is_dir:
         os.makedirs(dst, exist_ok=True)
     else:
@@ -50,10 +60,25 @@ def _mkpoint(root: str, path: str, is_dir: bool) -> str:
     return dst
 
 
-def build_and_enter(root: str, workspace_src: str, spec: dict) -> None:
-    """Populate `root` (an empty directory) and pivot into it. Must run as pid 1 of a new
-    pid namespace, in a mount namespace whose owner we are."""
-    ns.mount("tmpfs", root, "tmpfs", ns.MS_NOSUID | ns.MS_NODEV, "size=1m,mode=0755")
+def _env_root(box: str, root: str, layers: list[str]) -> None:
+    """The environment's layers as the root. Its small writable upper (on the sandbox's disk tmpfs)
+    only takes mount points such as the WORKDIR: the root is remounted read-only before any command."""
+    for d in ("rootfs", "rootfs/upper", "rootfs/work"):
+        os.mkdir(f"{box}/{d}")
+    ns.mount("overlay", root, "overlay", ns.MS_NOSUID | ns.MS_NODEV,
+             f"userxattr,lowerdir={':'.join(layers)},upperdir={box}/rootfs/upper,workdir={box}/rootfs/work")
+
+
+def build_and_enter(box: str, spec: dict) -> None:
+    """Populate `box`/root (or, for a build step, use `box`/ws) and pivot into it. Must run as pid 1
+    of a new pid namespace, in a mount namespace whose owner we are."""
+    root, build = box + "/root", spec.get("build", False)
+    if build:
+        root = box + "/ws"
+    elif spec.get("rootfs"):
+        _env_root(box, root, spec["rootfs"])
+    else:
+        ns.mount("tmpfs", root, "tmpfs", ns.MS_NOSUID | ns.MS_NODEV, "size=1m,mode=0755")
     # The private /tmp and /dev first: a bind below them (a virtual environment under /tmp, say)
     # must land on top of them, not be hidden by them.
     tmp_opts = f"size={spec['tmp_mb']}m,mode=1777"
@@ -73,23 +98,30 @@ def build_and_enter(root: str, workspace_src: str, spec: dict) -> None:
             os.symlink(os.readlink(src), root + src)
         else:
             _bind_ro(src, _mkpoint(root, src, os.path.isdir(src)))
-    for path in MASKED:
-        if os.path.isdir(path) and not os.path.islink(path):
-            ns.mount("tmpfs", root + path, "tmpfs", ns.MS_RDONLY, "size=4k")
-        elif os.path.isfile(path):
-            ns.mount("/dev/null", root + path, None, ns.MS_BIND)
-    work = _mkpoint(root, spec["workdir"], True)
-    ns.mount(workspace_src, work, None, ns.MS_BIND)
+    if build:  # the build's network is the host's: so is its resolver (the file is not in the layer)
+        if os.path.isfile("/etc/resolv.conf") and os.path.isfile(root + "/etc/resolv.conf"):
+            ns.mount("/etc/resolv.conf", root + "/etc/resolv.conf", None, ns.MS_BIND)
+    else:
+        for path in MASKED:
+            if os.path.islink(root + path):
+                continue
+            if os.path.isdir(root + path):
+                ns.mount("tmpfs", root + path, "tmpfs", ns.MS_RDONLY, "size=4k")
+            elif os.path.isfile(root + path):
+                ns.mount("/dev/null", root + path, None, ns.MS_BIND)
+        work = _mkpoint(root, spec["workdir"], True)
+        ns.mount(box + "/ws", work, None, ns.MS_BIND)
     # The kernel allows a new proc mount in a user namespace only while a fully visible one
     # exists in the mount namespace: mount it before the host's /proc is detached.
-    os.makedirs(root + "/proc")
+    os.makedirs(root + "/proc", exist_ok=True)
     ns.mount("proc", root + "/proc", "proc", ns.MS_NOSUID | ns.MS_NODEV | 0x8)
     os.mkdir(root + "/.old")
     ns.pivot_root(root, root + "/.old")
     os.chdir("/")
     ns.umount("/.old")
     os.rmdir("/.old")
-    ns.mount("none", "/", None, ns.MS_REMOUNT | ns.MS_BIND | ns.MS_RDONLY | ns.MS_NOSUID | ns.MS_NODEV)
+    if not build:
+        ns.mount("none", "/", None, ns.MS_REMOUNT | ns.MS_BIND | ns.MS_RDONLY | ns.MS_NOSUID | ns.MS_NODEV)
     # A user namespace of our own, created after the mounts, locks them all (no remount rw).
     ns.unshare(ns.CLONE_NEWUSER | ns.CLONE_NEWNS)
-    ns.map_ids("self", 0, 0, 0)
+    ns.map_ids("self", spec.get("uid", 0), 0, 0, spec.get("gid", 0))

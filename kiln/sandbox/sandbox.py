@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 from . import ns
 from .diff import Diff, compute_diff, excluded
+from .fsutil import copy_tree
 from .output import ExecResult, HeadTail
 from .rootfs import bind_paths
 from .service import SandboxError, get_service
@@ -30,18 +31,25 @@ def _sandbox_config(config):
     return config
 
 
-def _base_env(cfg) -> dict[str, str]:
+SYSTEM_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+
+
+def _base_env(cfg, build: bool = False) -> dict[str, str]:
     env = {k: os.environ[k] for k in cfg.env_allow if k in os.environ}
-    bins = dict.fromkeys([os.path.join(sys.prefix, "bin"), os.path.join(sys.base_prefix, "bin")])
-    env.update(PATH=":".join([*bins, "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"]),
+    # A built environment has its own programs and no kiln Python: its PATH is the image's (cfg.env).
+    own = build or cfg.rootfs
+    bins = [] if own else dict.fromkeys([os.path.join(sys.prefix, "bin"), os.path.join(sys.base_prefix, "bin")])
+    env.update(PATH=":".join([*bins, SYSTEM_PATH]),
                HOME="/tmp", TMPDIR="/tmp", PYTHONDONTWRITEBYTECODE="1", LANG=env.get("LANG", "C.UTF-8"))
     env.update(cfg.env)
     return env
 
 
-def create(snapshot: Snapshot, config=None) -> "Sandbox":
-    """A new sandbox whose workspace starts as `snapshot` (cost independent of its size)."""
-    return Sandbox._start(snapshot, _sandbox_config(config))
+def create(snapshot: Snapshot, config=None, build: bool = False) -> "Sandbox":
+    """A new sandbox whose workspace starts as `snapshot` (cost independent of its size).
+    `build`: `snapshot` is instead a whole root filesystem, writable, with the host's network: one
+    step of building an environment (kiln/tasks/env_build.py), never an agent's sandbox."""
+    return Sandbox._start(snapshot, _sandbox_config(config), build=build)
 
 
 @dataclass
@@ -81,8 +89,8 @@ class Job:
 class Sandbox:
     _jobs = itertools.count(1)
 
-    def __init__(self, snapshot: Snapshot, cfg, sid: str, reply: dict):
-        self.base, self.cfg, self.sid = snapshot, cfg, sid
+    def __init__(self, snapshot: Snapshot, cfg, sid: str, reply: dict, build: bool = False):
+        self.base, self.cfg, self.sid, self.build = snapshot, cfg, sid, build
         self.init_pid = reply["init"]
         self.cgroups = reply["cgroups"]
         self._upper = f"/proc/{get_service(snapshot.state_dir).proc.pid}/root{reply['upper']}"
@@ -90,18 +98,22 @@ class Sandbox:
         self._root = os.open(f"/proc/{self.init_pid}/root", os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
         self._send_lock = threading.Lock()
         self.cwd = cfg.workdir
-        self.env = _base_env(cfg)
+        self.env = _base_env(cfg, build)
         self.jobs: list[Job] = []  # background jobs, so close() can release their pipes
         self.closed = False
 
     @classmethod
-    def _start(cls, snapshot: Snapshot, cfg, copy_from: str | None = None) -> "Sandbox":
+    def _start(cls, snapshot: Snapshot, cfg, copy_from: str | None = None, build: bool = False) -> "Sandbox":
         svc = get_service(snapshot.state_dir)
-        spec = {k: getattr(cfg, k) for k in ("workdir", "memory_mb", "max_procs", "file_size_mb", "disk_mb", "tmp_mb")}
-        spec["binds"] = bind_paths(list(cfg.ro_binds), [sys.prefix, sys.base_prefix])
+        spec = {k: getattr(cfg, k) for k in ("workdir", "memory_mb", "max_procs", "file_size_mb", "disk_mb", "tmp_mb",
+                                             "rootfs", "uid", "gid")}
+        # A built root brings its own system and Python; a build step's root must hold only its own changes.
+        host = not cfg.rootfs
+        spec["binds"] = [] if build else bind_paths(list(cfg.ro_binds), [sys.prefix, sys.base_prefix] if host else [], host)
+        spec["build"] = build
         sid = new_id()
         reply = svc.request("create", sid=sid, spec=spec, layers=list(snapshot.layers), copy_from=copy_from)
-        return cls(snapshot, cfg, sid, reply)
+        return cls(snapshot, cfg, sid, reply, build)
 
     # -- commands ---------------------------------------------------------------------------
     def _send(self, msg: dict, fds: list[int] = ()) -> None:
@@ -218,7 +230,7 @@ class Sandbox:
     # -- files ------------------------------------------------------------------------------
     def _open(self, path: str, flags: int, mode: int = 0o644) -> int:
         # RESOLVE_IN_ROOT: symlinks written by the sandbox resolve inside it, never on the host.
-        return ns.openat2(self._root, self._resolve(path).lstrip("/"), flags, ns.RESOLVE_IN_ROOT, mode)
+        return ns.openat2(self._root, self._resolve(path).lstrip("/") or ".", flags, ns.RESOLVE_IN_ROOT, mode)
 
     def read_bytes(self, path: str) -> bytes:
         with os.fdopen(self._open(path, os.O_RDONLY), "rb") as f:
@@ -287,6 +299,16 @@ class Sandbox:
             os.close(top)
         return sorted(out)
 
+    def copy_out(self, path: str, dest: str) -> int:
+        """Copy the directory `path` (inside) to `dest` on the host, which must not exist yet: files,
+        directories and symlinks as links, never followed, so nothing the sandbox planted reaches
+        past it. Returns the number of entries."""
+        fd = self._open(path, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            return copy_tree(fd, dest)
+        finally:
+            os.close(fd)
+
     # -- state ------------------------------------------------------------------------------
     def diff(self) -> Diff:
         """Unified diff of the workspace against the snapshot it was created from."""
@@ -295,7 +317,7 @@ class Sandbox:
     def fork(self) -> "Sandbox":
         """An independent sandbox with this one's current workspace and shell state."""
         self._check_open()
-        child = Sandbox._start(self.base, self.cfg, copy_from=self.sid)
+        child = Sandbox._start(self.base, self.cfg, copy_from=self.sid, build=self.build)
         child.cwd, child.env = self.cwd, dict(self.env)
         return child
 

@@ -162,7 +162,8 @@ def _keeper(ctl: socket.socket, init_end: socket.socket, ready_w: int, box: str,
         ctl.close()
         ns.prctl(ns.PR_SET_PDEATHSIG, signal.SIGKILL)  # zygote gone -> sandbox gone
         cgroups.join(cg, os.getpid())
-        ns.unshare(ns.CLONE_NEWNS | ns.CLONE_NEWPID | ns.CLONE_NEWNET)
+        # A build step keeps the host's network (apt-get fetches packages); nothing else ever does.
+        ns.unshare(ns.CLONE_NEWNS | ns.CLONE_NEWPID | (0 if spec.get("build") else ns.CLONE_NEWNET))
         pid = os.fork()
         if pid == 0:
             _init_main(init_end, ready_w, box, spec)
@@ -177,8 +178,9 @@ def _keeper(ctl: socket.socket, init_end: socket.socket, ready_w: int, box: str,
 def _init_main(init_end: socket.socket, ready_w: int, box: str, spec: dict) -> None:
     try:
         ns.prctl(ns.PR_SET_PDEATHSIG, signal.SIGKILL)
-        ns.loopback_up()
-        rootfs.build_and_enter(box + "/root", box + "/ws", spec)
+        if not spec.get("build"):
+            ns.loopback_up()
+        rootfs.build_and_enter(box, spec)
         os.close(ready_w)
         init.serve(init_end, spec)
     except Exception as e:

@@ -50,7 +50,7 @@ _PIP_ARG_OPTS = {"-i", "--index-url", "--extra-index-url", "-f", "--find-links",
                  "--trusted-host", "--python", "-p"}
 _APT_ARG_OPTS = {"-o", "-t", "-c", "--option", "--target-release", "--config-file"}
 _APT_HOUSEKEEPING = {"update", "clean", "autoclean", "autoremove"}
-_GLOB = re.compile(r"[*?\[]")
+GLOB = re.compile(r"[*?\[]")
 _SPEC = re.compile(r"^([A-Za-z0-9][A-Za-z0-9._-]*)\s*(\[[^\]]*\])?\s*([<>=!~;@ ].*)?$")
 _VAR = re.compile(r"\$(?:\{(\w+)(?::?[-=]([^}]*))?\}|(\w+))")
 
@@ -72,7 +72,7 @@ class Image:
     env: dict[str, str] = field(default_factory=dict)  # ENV paths inside the WORKDIR: exported into the sandbox
 
 
-def _lines(text: str):
+def instructions(text: str):
     """(first line number, instruction) with continuations joined and comments dropped."""
     buf, start = "", 0
     for n, raw in enumerate(text.splitlines(), 1):
@@ -105,7 +105,7 @@ def parse(text: str, path: str = "Dockerfile", problems: Problems | None = None)
 
     def report(e: TaskError) -> None:
         problems.add(str(e), NOTE)
-    for n, line in _lines(text):
+    for n, line in instructions(text):
         fail = functools.partial(refuse, path, n, line)
         try:
             _instruction(img, n, line, variables, other_env, fail, report)
@@ -133,10 +133,10 @@ def _instruction(img: Image, n: int, line: str, variables: dict, other_env: list
     if op == "ARG":
         name, eq, default = rest.partition("=")
         if eq:
-            variables[name.strip()] = _expand(default.strip().strip("\"'"), variables, fail)
+            variables[name.strip()] = expand(default.strip().strip("\"'"), variables, fail)
         return
     if op in ("WORKDIR", "COPY", "ADD", "RUN", "FROM", "ENV"):
-        rest = _expand(rest, variables, fail)
+        rest = expand(rest, variables, fail)
     if op == "FROM":
         image = next(a for a in rest.split() if not a.startswith("--"))
         if img.base:
@@ -154,7 +154,7 @@ def _instruction(img: Image, n: int, line: str, variables: dict, other_env: list
         for e in _run(img, n, line, rest, fail):
             report(e)
     elif op == "ENV":
-        pairs = _env_pairs(rest)
+        pairs = env_pairs(rest)
         variables.update(pairs)
         other_env += [(fail, k, v) for k, v in pairs.items() if k not in SAFE_ENV]
     elif op == "USER":
@@ -164,7 +164,7 @@ def _instruction(img: Image, n: int, line: str, variables: dict, other_env: list
         raise fail(f"{op} is not supported")
 
 
-def _expand(rest: str, variables: dict, fail) -> str:
+def expand(rest: str, variables: dict, fail) -> str:
     """$NAME and ${NAME} (${NAME:-default}) of earlier ARG and ENV lines, as Docker expands them."""
     def value(m: re.Match) -> str:
         name = m.group(1) or m.group(3)
@@ -180,7 +180,7 @@ def _expand(rest: str, variables: dict, fail) -> str:
 
 
 def _copy_step(img: Image, n: int, op: str, line: str, rest: str, fail) -> Step:
-    args = _words(rest)
+    args = words(rest)
     flags = [a for a in args if a.startswith("--")]
     args = [a for a in args if not a.startswith("--")]
     if any(f.startswith("--from") for f in flags):
@@ -195,12 +195,12 @@ def _copy_step(img: Image, n: int, op: str, line: str, rest: str, fail) -> Step:
             raise fail("the source must be inside the build context")
     dest = args[-1]
     abs_dest = posixpath.join(img.workdir or "/", dest)
-    if dest.endswith("/") or dest in (".", "./") or len(args) > 2 or any(_GLOB.search(s) for s in args[:-1]):
+    if dest.endswith("/") or dest in (".", "./") or len(args) > 2 or any(GLOB.search(s) for s in args[:-1]):
         abs_dest = posixpath.normpath(abs_dest) + "/"
     return Step(n, line, "COPY", [*args[:-1], abs_dest])
 
 
-def _words(rest: str) -> list[str]:
+def words(rest: str) -> list[str]:
     if rest.startswith("["):
         try:
             return [str(a) for a in json.loads(rest)]
@@ -209,13 +209,13 @@ def _words(rest: str) -> list[str]:
     return shlex.split(rest)
 
 
-def _run_commands(rest: str) -> list[list[str]]:
+def run_commands(rest: str) -> list[list[str]]:
     if rest.startswith("["):
-        words = _words(rest)
-        if words[:2] in (["/bin/sh", "-c"], ["sh", "-c"], ["bash", "-c"], ["/bin/bash", "-c"]):
-            rest = " ".join(words[2:])
+        argv = words(rest)
+        if argv[:2] in (["/bin/sh", "-c"], ["sh", "-c"], ["bash", "-c"], ["/bin/bash", "-c"]):
+            rest = " ".join(argv[2:])
         else:
-            return [words]
+            return [argv]
     cmds, cur = [], []
     lex = shlex.shlex(rest, posix=True, punctuation_chars="&;|")
     lex.whitespace_split = True
@@ -251,7 +251,7 @@ def _run(img: Image, n: int, line: str, rest: str, fail) -> list[TaskError]:
     """The steps of one RUN line, appended to `img`; returns a problem per command kiln cannot run.
     apt commands are no-ops when the line installs only TB_TOOLS; otherwise one problem for them."""
     try:
-        cmds = _run_commands(rest)
+        cmds = run_commands(rest)
     except ValueError as e:  # shlex: an unclosed quote
         return [fail(f"cannot read the command: {e}")]
     apt = [(c, apt_command(c)) for c in cmds]
@@ -316,7 +316,7 @@ def check_package(spec: str, fail) -> None:
                    "read-only; install it there first)") from None
 
 
-def _env_pairs(rest: str) -> dict[str, str]:
+def env_pairs(rest: str) -> dict[str, str]:
     words = shlex.split(rest)
     if words and "=" not in words[0]:
         return {words[0]: " ".join(words[1:])}
@@ -351,7 +351,7 @@ def provide(img: Image, context: str, tree: str, problems: Problems | None = Non
 
 
 def _copy(img: Image, context: str, tree: str, src: str, dest: str, fail) -> list[list[str]]:
-    matches = sorted(glob.glob(os.path.join(context, src))) if _GLOB.search(src) else [os.path.join(context, src)]
+    matches = sorted(glob.glob(os.path.join(context, src))) if GLOB.search(src) else [os.path.join(context, src)]
     matches = [m for m in matches if os.path.lexists(m)]
     if not matches:
         raise fail(f"{src!r} is not in the build context {context}")

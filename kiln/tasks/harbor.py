@@ -26,7 +26,7 @@ import tempfile
 import tomllib
 from dataclasses import dataclass
 
-from . import dockerfile
+from . import dockerfile, env_base, env_build
 from .harbor_env import (
     REWARD_ID,
     TEST_COMMAND,
@@ -58,6 +58,10 @@ if [ $? -eq 0 ]; then echo 1 > /logs/verifier/reward.txt; else echo 0 > /logs/ve
 
 def _warn_stderr(msg: str) -> None:
     print(f"warning: {msg}", file=sys.stderr)
+
+
+def _progress(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
 
 
 @dataclass
@@ -230,11 +234,24 @@ def _compose_services(path: str) -> list[str] | None:
     return sorted(str(s) for s in services) if isinstance(services, dict) else None
 
 
+def _environment(f: _Folder, docker_path: str, docker_text: str):
+    """(host image, None) when the host provides the Dockerfile's environment (fast: no build), else
+    (None, recipe) to build a root of its own (env_build.py); problems go to f.problems."""
+    host = Problems(docker_path)
+    img = dockerfile.parse(docker_text, docker_path, host)
+    if not host.items:
+        return img, None
+    recipe = env_build.parse(docker_text, docker_path, f.problems)
+    if recipe is not None:
+        env_build.check_sources(recipe, f.context, f.problems)
+    return None, recipe  # refused by the caller if any problem was found
+
+
 def _build(f: _Folder, out_dir: str, cfg, validate: bool, warn) -> Task:
     problems, config = f.problems, f.config
     docker_path = os.path.join(f.context, "Dockerfile")
     docker_text = _text(docker_path) if os.path.isfile(docker_path) else ""
-    img = dockerfile.parse(docker_text, docker_path, problems) if os.path.isfile(docker_path) else None
+    img, recipe = _environment(f, docker_path, docker_text) if os.path.isfile(docker_path) else (None, None)
     if not f.prompt.strip() and (f.source != "harbor" or _has(f.path, "instruction.md")):  # else: reported missing
         problems.add(f"{f.path}: empty instruction")
     if validate and (cfg is None or "solve.sh" not in f.solution):
@@ -248,6 +265,12 @@ def _build(f: _Folder, out_dir: str, cfg, validate: bool, warn) -> Task:
         copies = dockerfile.provide(img, f.context, tree, problems) if img and img.workdir not in ("", "/") else []
         problems.raise_any()
         _warnings(f, warn)
+        built = None
+        if recipe is not None:
+            cache = env_base.cache_dir(cfg.env_cache if cfg is not None else "")
+            built = env_build.build(recipe, f.context, cache, log=_progress)
+            env_build.export_workdir(built, cache, tree)
+            copies = env_build.workdir_copies(recipe, f.context)
         other = {}
         for rel, data in _read_files(f.context).items():
             top = rel.split("/")[0]
@@ -257,14 +280,17 @@ def _build(f: _Folder, out_dir: str, cfg, validate: bool, warn) -> Task:
                     other[rel] = data.decode("utf-8")
                 except UnicodeDecodeError:
                     pass  # binary files the image never copies cannot matter to kiln
-        harbor = {"task_toml": config, "dockerfile": docker_text, "workdir": img.workdir, "image_env": img.env,
-                  "copies": copies, "environment_files": other, "solution_files": _texts(f.solution, f.path)}
+        harbor = {"task_toml": config, "dockerfile": docker_text, "workdir": built.workdir if built else img.workdir,
+                  "image_env": built.env if built else img.env, "copies": copies, "environment_files": other,
+                  "solution_files": _texts(f.solution, f.path)}
+        if built:
+            harbor["environment"] = built.to_dict()
         task = Task(id=_task_id(f.path), prompt=f.prompt, category=category, test_command=TEST_COMMAND,
                     fail_to_pass=[REWARD_ID], difficulty=_DIFFICULTY.get(str(meta.get("difficulty", "")).lower(), 1),
                     timeout_s=float(verifier.get("timeout_sec", 300.0)),
                     provenance={"source": f.source, "harbor": harbor})
         hidden = {f"{TESTS_DIR}/{rel}": data for rel, data in f.tests.items()}
-        hidden[VERIFY] = verify_script(img.workdir, verifier.get("env", {}), list(f.tests))
+        hidden[VERIFY] = verify_script(harbor["workdir"], verifier.get("env", {}), list(f.tests))
         gold = None
         if cfg is not None and "solve.sh" in f.solution:
             agent_s = float(config.get("agent", {}).get("timeout_sec", 600))

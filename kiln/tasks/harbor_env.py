@@ -135,7 +135,10 @@ def sandbox_config(task: Task, cfg):
     if not h:
         return cfg
     workdir, update = h.get("workdir", ""), {}
-    if workdir and not _sandbox_own(workdir, cfg):
+    if h.get("environment"):  # a root built from the Dockerfile: the image's own paths, its user
+        update.update(rootfs=built_root(task, h["environment"], cfg), uid=h["environment"]["uid"],
+                      gid=h["environment"]["gid"])
+    if workdir and not _sandbox_own(workdir, cfg.model_copy(update=update)):
         update["workdir"] = workdir
     env = {**h.get("image_env", {}), **h.get("task_toml", {}).get("environment", {}).get("env", {})}
     if env:
@@ -144,10 +147,25 @@ def sandbox_config(task: Task, cfg):
     return cfg.model_copy(update=update) if update else cfg
 
 
+def built_root(task: Task, env: dict, cfg) -> list[str]:
+    """The layer trees of a task's built environment, which must be in this machine's cache."""
+    from .env_base import cache_dir, have_layer, layer_tree
+    cache = cache_dir(cfg.env_cache)
+    missing = [layer for layer in env["layers"] if not have_layer(cache, layer)]
+    if missing:
+        raise TaskError(f"{task.id}: its environment ({env['image']}) is not built in {cache} (missing layers "
+                        f"{', '.join(missing[:3])}); import the task folder again here, or run `kiln env build` on "
+                        "its environment/, to build it")
+    return [layer_tree(cache, layer) for layer in env["layers"]]
+
+
 def _sandbox_own(path: str, cfg) -> bool:
     """Whether a workspace mounted at `path` would cover or sit inside a directory the sandbox needs."""
     from kiln.sandbox.rootfs import SYSTEM_DIRS, bind_paths
-    own = [*SYSTEM_DIRS, "/tmp", "/dev", "/proc", *bind_paths(list(cfg.ro_binds), [sys.prefix, sys.base_prefix])]
+    if cfg.rootfs:  # a built root is the task's own: only the sandbox's private mounts are taken
+        own = ["/tmp", "/dev", "/proc", *bind_paths(list(cfg.ro_binds), [], system=False)]
+    else:
+        own = [*SYSTEM_DIRS, "/tmp", "/dev", "/proc", *bind_paths(list(cfg.ro_binds), [sys.prefix, sys.base_prefix])]
     return path == "/" or any(path == p or path.startswith(p + "/") or p.startswith(path + "/") for p in own)
 
 

@@ -17,10 +17,24 @@ def state_dir(tmp_path_factory):
     stop_service(path)
 
 
-@pytest.fixture(scope="session")
-def cfg(state_dir):
+def built_root() -> list[str]:
+    """The Debian base the install step builds (`kiln env build-base`): tests never download it."""
+    from kiln.tasks import env_base
+    cache = env_base.cache_dir()
+    layer = env_base.base_id(env_base.DEFAULT_SUITE)
+    if not env_base.have_layer(cache, layer):
+        why = f"no Debian base in {cache}: run `kiln env build-base` (.ci/run does)"
+        pytest.fail(why) if os.environ.get("CI") else pytest.skip(why)
+    return [env_base.layer_tree(cache, layer)]
+
+
+# Every sandbox test runs twice: over the host's system (kiln's default) and over a built Debian root
+# (a task environment), where each isolation property must hold just the same.
+@pytest.fixture(scope="session", params=["host", "built"])
+def cfg(request, state_dir):
+    root = built_root() if request.param == "built" else []
     return SandboxConfig(state_dir=state_dir, memory_mb=256, max_procs=64, file_size_mb=8, disk_mb=32,
-                         tmp_mb=32, output_bytes=4096, timeout_s=30, idle_timeout_s=20, pool_size=2)
+                         tmp_mb=32, output_bytes=4096, timeout_s=30, idle_timeout_s=20, pool_size=2, rootfs=root)
 
 
 @pytest.fixture(scope="session")
