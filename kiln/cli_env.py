@@ -15,7 +15,7 @@ env_app = typer.Typer(help="Task environments built from Dockerfiles without Doc
 
 @env_app.command("build-base")
 def build_base(overrides: Overrides = None, config: ConfigOpt = None, dry_run: DryRun = False,
-               suite: Annotated[list[str], typer.Option(
+               suite: Annotated[list[str] | None, typer.Option(
                    "--suite", help="Debian release(s) to bootstrap (bullseye, bookworm, trixie).")] = None):
     """Bootstrap the Debian base root(s) into the environment cache (sandbox.env_cache, or
     $KILN_ENV_CACHE, else ~/.cache/kiln/envs): once, with mmdebstrap; a second run does nothing."""

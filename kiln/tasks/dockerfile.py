@@ -1,8 +1,10 @@
-"""The part of a Dockerfile kiln can provide without Docker (Harbor and Terminal-Bench environments).
+"""The part of a Dockerfile the host provides without building anything (Harbor and Terminal-Bench
+environments): the fast path. Any other Dockerfile gets a root of its own (env_build.py), which
+reuses this module's reading of instructions (`instructions`, `expand`, `words`, `env_pairs`).
 
-A kiln sandbox is the host's system (read-only), kiln's own Python environment and a workspace.
-So an image is providable when it is a Python image whose only additions are files in its working
-directory and pip packages kiln's environment already has:
+A kiln sandbox over the host root is the host's system (read-only), kiln's own Python environment and
+a workspace. So an image is providable when it is a Python image whose only additions are files in
+its working directory and pip packages kiln's environment already has:
 
     FROM <a python image>               one stage (python:3.x*, or any image named python*)
     WORKDIR <absolute path>             becomes the sandbox workspace (required)

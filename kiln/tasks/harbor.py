@@ -1,7 +1,8 @@
 """Harbor / Terminal-Bench 2 task folders <-> kiln task records (and Terminal-Bench 1, import only).
 
-Import: instruction.md -> prompt; environment/Dockerfile -> repo/ (only what kiln can provide
-without Docker, see dockerfile.py); tests/ -> hidden files under .harbor/tests plus kiln's runner
+Import: instruction.md -> prompt; environment/Dockerfile -> repo/ (the host root when it provides the
+image, see dockerfile.py; else a Debian root built from the Dockerfile, env_build.py, whose final
+WORKDIR is repo/); tests/ -> hidden files under .harbor/tests plus kiln's runner
 (harbor_env.py: where /tests, /logs and the WORKDIR map); solution/solve.sh -> run once in a sandbox,
 its change is the gold patch; validating with it derives fail-to-pass / pass-to-pass from the
 pytest outcomes test.sh prints, plus the `harbor::reward` pseudo-test. Without validation the task

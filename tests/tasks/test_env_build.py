@@ -20,9 +20,10 @@ from kiln.sandbox import Snapshot, create
 from kiln.sandbox.service import stop_service
 from kiln.tasks import env_base, env_build
 from kiln.tasks.env_images import map_image
-from kiln.tasks.harbor import REWARD_ID, import_folder, import_harbor
+from kiln.tasks.harbor import REWARD_ID, export_harbor, import_folder, import_harbor
 from kiln.tasks.record import TaskError
 
+from .roundtrip import read, record
 from .test_harbor import harbor_folder, write
 
 FIXTURE = os.path.join(os.path.dirname(__file__), "fixtures", "pandas-total")
@@ -96,7 +97,10 @@ def test_layers_built_once_and_shared(cache, tmp_path):
             "WORKDIR /app\nCOPY --chmod=755 run.sh ./\nCOPY data /srv/data\n")
     a = env_build.parse(head + "RUN ./run.sh > out.txt\n", "A")
     b = env_build.parse(head + "RUN echo b > out.txt\n", "B")
-    built = lambda: sorted(os.listdir(os.path.join(cache, "layers")))  # noqa: E731
+
+    def built() -> list[str]:
+        return sorted(os.listdir(os.path.join(cache, "layers")))
+
     env_a = env_build.build(a, ctx, cache, log=lambda m: None)
     after_a = built()
     env_b = env_build.build(b, ctx, cache, log=lambda m: None)
@@ -115,7 +119,7 @@ def test_layers_built_once_and_shared(cache, tmp_path):
 
 def test_user_and_network_only_while_building(cache, tmp_path):
     class Handler(http.server.BaseHTTPRequestHandler):
-        def do_GET(self):  # noqa: N802
+        def do_GET(self):
             self.send_response(200)
             self.end_headers()
             self.wfile.write(b"payload")
@@ -149,6 +153,7 @@ def test_user_and_network_only_while_building(cache, tmp_path):
                         str(tmp_path), cache, log=lambda m: None)
 
 
+@pytest.mark.slow  # 25-80 s on 2 busy cores: the oracle, validation and two rollouts each start pandas
 def test_apt_package_task_imports_validates_and_only_the_oracle_solves_it(tmp_path, tcfg):
     with open(os.path.join(FIXTURE, "environment", "Dockerfile")) as f:
         recipe = env_build.parse(f.read(), "Dockerfile")
@@ -171,3 +176,8 @@ def test_apt_package_task_imports_validates_and_only_the_oracle_solves_it(tmp_pa
     finally:
         snap.drop()
     assert rows["oracle"]["correctness"]["resolved"] and not rows["noop"]["correctness"]["resolved"], rows
+
+    out = export_harbor(task, str(tmp_path / "exported"))  # the COPY into the WORKDIR comes back from repo/
+    assert read(out, "environment", "sales.csv") == read(FIXTURE, "environment", "sales.csv")
+    back = import_harbor(out, str(tmp_path / "back"))  # not validated again: that is the import above
+    assert back.provenance == task.provenance and record(back)[1::2] == record(task)[1::2]  # tests, repo
