@@ -6,7 +6,8 @@ Three kinds of root, by the spec:
 - a built environment (`rootfs`: layer trees, top first): those layers as one read-only overlay,
   the task's own Debian root, with nothing of the host but `ro_binds`;
 - a build step (`build`): the workspace overlay itself is the root, writable, with the host's DNS
-  configuration (the network is the host's, see zygote.py); what a command changes is the next layer.
+  resolver and CA bundle (the network is the host's, see zygote.py); what a command changes is the
+  next layer.
 Then a writable workspace (the overlay) at `workdir`, a private /tmp and a minimal /dev. Nothing
 else of the host exists inside: home directories, /tmp, other sandboxes and kiln's own state are
 simply absent. A final user namespace locks every mount, so root inside cannot remount a read-only
@@ -21,6 +22,9 @@ from . import ns
 SYSTEM_DIRS = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32", "/etc")
 MASKED = ("/etc/shadow", "/etc/gshadow", "/etc/ssh")  # host secrets readable by (mapped) root
 DEVICES = ("null", "zero", "full", "random", "urandom", "tty")
+# A build step reaches the network as the host does: with its DNS resolver and its CA bundle (a
+# TLS-inspecting proxy's CA is trusted by pip, curl and apt as on the host).
+BUILD_HOST_FILES = ("/etc/resolv.conf", "/etc/ssl/certs/ca-certificates.crt")
 
 # statvfs flags -> mount flags. A bind remount in a user namespace must keep these
 # (they are locked), or the kernel refuses it.
@@ -98,9 +102,10 @@ def build_and_enter(box: str, spec: dict) -> None:
             os.symlink(os.readlink(src), root + src)
         else:
             _bind_ro(src, _mkpoint(root, src, os.path.isdir(src)))
-    if build:  # the build's network is the host's: so is its resolver (the file is not in the layer)
-        if os.path.isfile("/etc/resolv.conf") and os.path.isfile(root + "/etc/resolv.conf"):
-            ns.mount("/etc/resolv.conf", root + "/etc/resolv.conf", None, ns.MS_BIND)
+    if build:  # the build's network is the host's: so are its resolver and trusted CAs (not in the layer)
+        for path in BUILD_HOST_FILES:
+            if os.path.isfile(path) and os.path.isfile(root + path) and not os.path.islink(root + path):
+                ns.mount(path, root + path, None, ns.MS_BIND | ns.MS_RDONLY)
     else:
         for path in MASKED:
             if os.path.islink(root + path):
