@@ -11,7 +11,7 @@ import os
 import shutil
 
 from . import cgroups
-from .snapshot import default_state_dir
+from .snapshot import default_env_cache, default_state_dir
 
 
 def zygote_alive(pid: int) -> bool:
@@ -27,8 +27,14 @@ def pid_alive(pid: int) -> bool:
 
 
 def gc(cfg) -> int:
-    """Remove leftovers of dead owners under the configured state dir; returns how many."""
-    state = default_state_dir(getattr(getattr(cfg, "sandbox", cfg), "state_dir", ""))
+    """Remove leftovers of dead owners under the configured state dir and the environment cache
+    (half-built layers of a build that died); returns how many."""
+    sb = getattr(cfg, "sandbox", cfg)
+    return sum(_gc_dir(d) for d in dict.fromkeys([default_state_dir(getattr(sb, "state_dir", "")),
+                                                  default_env_cache(getattr(sb, "env_cache", ""))]))
+
+
+def _gc_dir(state: str) -> int:
     removed = 0
     run = os.path.join(state, "run")
     for name in os.listdir(run) if os.path.isdir(run) else []:
@@ -42,8 +48,8 @@ def gc(cfg) -> int:
     layers = os.path.join(state, "layers")
     for name in os.listdir(layers) if os.path.isdir(layers) else []:
         path = os.path.join(layers, name)
-        if os.path.isdir(os.path.join(path, "tree")):
-            continue
+        if not os.path.isdir(path) or os.path.isdir(os.path.join(path, "tree")):
+            continue  # a lock file, or a finished layer
         try:
             owner = int(open(os.path.join(path, "owner")).read())
         except (OSError, ValueError):

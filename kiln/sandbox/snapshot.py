@@ -20,6 +20,13 @@ def default_state_dir(configured: str = "") -> str:
     return configured or os.environ.get("KILN_STATE_DIR") or "/tmp/kiln-sandbox"
 
 
+def default_env_cache(configured: str = "") -> str:
+    """Where built task environments live (kiln/tasks/env_base.py): a state dir of their own, kept
+    across runs, so its layers are built once per machine."""
+    return os.path.abspath(os.path.expanduser(
+        configured or os.environ.get("KILN_ENV_CACHE") or "~/.cache/kiln/envs"))
+
+
 def new_id() -> str:
     return secrets.token_hex(5)
 

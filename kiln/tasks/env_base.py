@@ -17,6 +17,8 @@ import shutil
 import subprocess
 import time
 
+from kiln.sandbox.snapshot import default_env_cache, mark_owner
+
 from .record import TaskError
 
 DEFAULT_SUITE = "trixie"  # what ubuntu:24.04, today's python:3.1x and Terminal-Bench's images map to
@@ -43,8 +45,7 @@ def host_arch() -> str:
 
 
 def cache_dir(configured: str = "") -> str:
-    path = os.path.abspath(os.path.expanduser(
-        configured or os.environ.get("KILN_ENV_CACHE") or "~/.cache/kiln/envs"))
+    path = default_env_cache(configured)
     if any(c in path for c in ":,"):  # the layers' paths go into overlayfs mount options
         raise TaskError(f"the environment cache path {path!r} has ':' or ',', which overlayfs cannot take; "
                         "set KILN_ENV_CACHE (or sandbox.env_cache) to another folder")
@@ -91,6 +92,7 @@ def _bootstrap(cache: str, suite: str, layer: str, log) -> None:
     dest = os.path.join(cache, "layers", layer)
     shutil.rmtree(dest, ignore_errors=True)  # a build that died half-way
     os.makedirs(dest + "/tree.part")
+    mark_owner(dest)  # `kiln sandbox gc` removes it if this process dies half-way
     log(f"env: bootstrapping Debian {suite} ({VARIANT} + {', '.join(PACKAGES)}) into {dest} (downloads ~60 MB)")
     start = time.monotonic()
     cmd = ["mmdebstrap", "--mode=unshare", f"--variant={VARIANT}", f"--include={','.join(PACKAGES)}",

@@ -181,3 +181,16 @@ def test_apt_package_task_imports_validates_and_only_the_oracle_solves_it(tmp_pa
     assert read(out, "environment", "sales.csv") == read(FIXTURE, "environment", "sales.csv")
     back = import_harbor(out, str(tmp_path / "back"))  # not validated again: that is the import above
     assert back.provenance == task.provenance and record(back)[1::2] == record(task)[1::2]  # tests, repo
+
+
+def test_gc_removes_half_built_layers_of_dead_builders(tmp_path):
+    from kiln.config import SandboxConfig
+    from kiln.sandbox.gc import gc
+    cfg = SandboxConfig(state_dir=str(tmp_path / "state"), env_cache=str(tmp_path / "envs"))
+    layers = tmp_path / "envs" / "layers"
+    for name, owner, done in (("dead", "999999999", False), ("alive", str(os.getpid()), False), ("done", "1", True)):
+        os.makedirs(layers / name / ("tree" if done else "tree.part"))
+        (layers / name / "owner").write_text(owner)
+    (layers / ".done.lock").write_text("")
+    assert gc(cfg) == 1
+    assert sorted(os.listdir(layers)) == [".done.lock", "alive", "done"]
