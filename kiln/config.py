@@ -258,6 +258,8 @@ class BenchConfig(Section):
     passes: int = Field(3, ge=1)  # best-of-K is reported for K = 1..passes
     workers: int = Field(2, ge=1)  # rollouts in parallel
     out_dir: str = ""  # empty = <run.out_dir>/<run.name>/bench-<policy>
+    ray: bool = False  # rollouts as Ray tasks across the cluster (ray.address), each sandbox on its task's node
+    rollout_resources: dict[str, float] = {"CPU": 0.5}  # per Ray rollout task: CPU, GPU, memory (bytes), custom
 
 
 class SpeedrunConfig(Section):
@@ -277,9 +279,15 @@ class RLConfig(Section):
     group_size: int = Field(8, ge=2)  # G rollouts per prompt, from forks of one task sandbox
     groups_per_step: int = Field(2, ge=1)
     max_lag: int = Field(1, ge=0)  # admission: never start a rollout its step would train > max_lag versions later
-    workers: int = Field(2, ge=1)  # rollout worker processes
-    # Placement (rl/placement.py): CPU ids the trainer / the rollout workers and their sandboxes may use;
-    # [] = all. Disjoint sets mirror the recipe's separate training and sampling hardware.
+    workers: int = Field(2, ge=1)  # rollout worker actors
+    # Ray resources per role (kiln/cluster.py): CPU, GPU, memory (bytes) and any custom resource of the
+    # cluster's nodes; the defaults fit the trainer and two workers on 2 CPUs.
+    trainer_resources: dict[str, float] = {"CPU": 1.0}
+    worker_resources: dict[str, float] = {"CPU": 0.5}
+    # Ray placement group over the roles' bundles: PACK/STRICT_PACK share nodes, SPREAD/STRICT_SPREAD avoid sharing.
+    placement: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = "PACK"
+    # CPU pinning (rl/placement.py), on the node each role runs on: CPU ids the trainer / the rollout workers
+    # and their sandboxes may use; [] = all. Disjoint sets mirror the recipe's separate training and sampling hardware.
     trainer_cpus: list[int] = []
     worker_cpus: list[int] = []
     temperature: float = Field(0.7, gt=0)  # sampling; the bench evaluates at policy.temperature
@@ -308,7 +316,14 @@ class RLConfig(Section):
     upsample: float = Field(1.0, ge=0)  # later prompts lean toward kinds whose groups took more turns/thinking; 0 = off
     store: str = ""  # weight store: a folder or s3://bucket/prefix; empty = <run dir>/rl/weights
     anchor_every: int = Field(10, ge=1)  # a full weight anchor every N versions, deltas between
-    timeout_s: float = Field(600.0, gt=0)  # every cross-process wait
+    timeout_s: float = Field(600.0, gt=0)  # every wait on a role (no progress for this long is an error)
+
+
+class RayConfig(Section):
+    """Where `kiln rl` and `kiln bench --ray` run (kiln/cluster.py)."""
+    address: str = ""  # a cluster to attach to (host:port, or "auto"); empty = $RAY_ADDRESS, else a local Ray
+    num_cpus: int = Field(0, ge=0)  # a local Ray's CPUs; 0 = this machine's (at least what the roles ask for)
+    object_store_mb: int = Field(256, ge=80)  # a local Ray's shared-memory object store
 
 
 class Config(Section):
@@ -323,6 +338,7 @@ class Config(Section):
     bench: BenchConfig = BenchConfig()
     speedrun: SpeedrunConfig = SpeedrunConfig()
     rl: RLConfig = RLConfig()
+    ray: RayConfig = RayConfig()
 
     @model_validator(mode="after")
     def _rl_prompts_are_not_sft_tasks(self):

@@ -1,0 +1,164 @@
+"""Ray for kiln: a light local Ray by default, a cluster by address, and folders carried to nodes.
+
+- `connect(ray_cfg)`: attach to `ray.address`, else `$RAY_ADDRESS`, else start a local Ray
+  (no dashboard, a small object store, on loopback). A Ray already initialised in this process is
+  used as it is. Returns True when the caller started or attached it and so must shut it down.
+- `ray_options(resources)`: a config's `{"CPU": 1, "GPU": 1, "memory": ..., "custom": 2}` as
+  `.options()` keywords; `check_fits` refuses a request no cluster node could ever meet, at once,
+  instead of leaving it pending.
+- `Shipped`: a folder on the driver's node that an actor or task on another node needs (a task
+  suite, a checkpoint). On the driver's node it is the folder itself; elsewhere its bytes come
+  through Ray's object store once and are unpacked into a node-local cache. Nothing assumes a
+  shared filesystem.
+"""
+from __future__ import annotations
+
+import hashlib
+import io
+import os
+import shutil
+import tarfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+_ROLE_KEYS = {"CPU": "num_cpus", "GPU": "num_gpus", "memory": "memory"}
+
+
+class ClusterError(RuntimeError):
+    """Ray cannot be reached, or cannot ever run what was asked of it."""
+
+
+def connect(ray_cfg, min_cpus: float = 0) -> bool:
+    """Make this process a Ray driver (see the module doc); `min_cpus`: what the caller's roles need
+    at once, so a local Ray on a smaller machine still schedules them (they share its cores)."""
+    import ray
+
+    if ray.is_initialized():
+        return False
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")  # never phone home
+    address = ray_cfg.address or os.environ.get("RAY_ADDRESS", "")
+    t = time.monotonic()
+    try:
+        if address:
+            ray.init(address=address, log_to_driver=True, configure_logging=False)
+        else:
+            ncpu = ray_cfg.num_cpus or max(len(os.sched_getaffinity(0)), int(-(-min_cpus // 1)))
+            # A one-machine Ray binds to loopback only (Ray picks the host's routable address otherwise).
+            old = os.environ.get("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER")
+            os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
+            try:
+                ray.init(num_cpus=ncpu, include_dashboard=False, object_store_memory=ray_cfg.object_store_mb << 20,
+                         log_to_driver=True, configure_logging=False)
+            finally:
+                if old is None:
+                    os.environ.pop("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", None)
+                else:
+                    os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = old
+    except (ConnectionError, RuntimeError, ValueError) as e:
+        where = f"the Ray cluster at {address!r}" if address else "a local Ray"
+        raise ClusterError(f"cannot start or reach {where}: {e}") from None
+    where = f"cluster {address}" if address else "local Ray"
+    nodes = alive_nodes()
+    print(f"ray: {where}, {len(nodes)} node(s) at {', '.join(sorted({n['NodeManagerAddress'] for n in nodes}))}, "
+          f"{ray.cluster_resources().get('CPU', 0):g} CPUs (ready in {time.monotonic() - t:.1f} s)", flush=True)
+    return True
+
+
+def alive_nodes() -> list[dict]:
+    import ray
+
+    return [n for n in ray.nodes() if n.get("Alive")]
+
+
+def ray_options(resources: dict[str, float]) -> dict:
+    """Config resources -> keywords of `.options()` (CPU/GPU/memory by name, the rest custom)."""
+    opts: dict = {"num_cpus": 0}  # Ray's default of 1 CPU per actor would reserve what the config did not ask
+    custom = {}
+    for k, v in resources.items():
+        if k in _ROLE_KEYS:
+            opts[_ROLE_KEYS[k]] = int(v) if k == "memory" else v
+        else:
+            custom[k] = v
+    if custom:
+        opts["resources"] = custom
+    return opts
+
+
+def check_fits(role: str, key: str, resources: dict[str, float], count: int = 1) -> None:
+    """Refuse at once what no node of the cluster has (Ray would keep it pending forever)."""
+    for k, v in resources.items():
+        if v < 0:
+            raise ClusterError(f"{key}: {k} = {v} is negative")
+    nodes = alive_nodes()
+    if not any(all(n["Resources"].get(k, 0) >= v for k, v in resources.items() if v) for n in nodes):
+        have = "; ".join(f"{describe(n)}: {_fmt(n['Resources'])}" for n in nodes)
+        raise ClusterError(f"no node can run the {role} ({key} = {resources}): the nodes have {have}; "
+                           f"change {key} or add a node that has it")
+    total = {k: sum(n["Resources"].get(k, 0) for n in nodes) for k in resources}
+    short = {k: v * count for k, v in resources.items() if v * count > total[k] + 1e-9}
+    if short:
+        raise ClusterError(f"{count} {role}(s) need {short} in all ({key} = {resources} each), the cluster has "
+                           f"{ {k: total[k] for k in short} }: lower {key} or the count, or add nodes")
+
+
+def describe(node: dict) -> str:
+    """A node as error messages name it: its address and the start of its id."""
+    return f"node {node.get('NodeManagerAddress', '?')} ({node.get('NodeID', '?')[:8]})"
+
+
+def node_of(node_id: str) -> str:
+    return next((describe(n) for n in alive_nodes() if n["NodeID"] == node_id), f"node {node_id[:8]} (gone)")
+
+
+def here() -> dict:
+    """Where the calling actor or task runs: node id and address, host name, pid."""
+    import ray
+
+    return {"node_id": ray.get_runtime_context().get_node_id(), "address": ray.util.get_node_ip_address(),
+            "host": os.uname().nodename, "pid": os.getpid()}
+
+
+def _fmt(res: dict) -> str:
+    return ", ".join(f"{k}={v:g}" for k, v in sorted(res.items())
+                     if not k.startswith("node:") and k not in ("memory", "object_store_memory"))
+
+
+@dataclass
+class Shipped:
+    """A folder of the driver's node, made available on whichever node asks for it (`local()`)."""
+    path: str
+    node_id: str
+    ref: object = None  # ObjectRef of the folder as a tar, only when the cluster has other nodes
+
+    @classmethod
+    def of(cls, path: str, skip: tuple[str, ...] = ()) -> Shipped:
+        import ray
+
+        node = ray.get_runtime_context().get_node_id()
+        if len(alive_nodes()) < 2:
+            return cls(str(path), node)
+        buf = io.BytesIO()
+        with tarfile.open(fileobj=buf, mode="w") as tar:
+            tar.add(path, arcname=".", filter=lambda ti: None if Path(ti.name).name in skip else ti)
+        return cls(str(path), node, ray.put(buf.getvalue()))
+
+    def local(self) -> str:
+        """The folder on this node: the original on the driver's node, else an unpacked copy."""
+        import ray
+
+        if self.ref is None or ray.get_runtime_context().get_node_id() == self.node_id:
+            return self.path
+        data = ray.get(self.ref, timeout=600)
+        cache = Path(os.environ.get("KILN_SHIP_CACHE", Path.home() / ".cache" / "kiln" / "shipped"))
+        dest = cache / hashlib.sha256(data).hexdigest()[:16] / Path(self.path).name
+        if not dest.is_dir():  # unpacked beside, then renamed: a half-unpacked folder is never used
+            tmp = dest.parent / f".tmp-{os.getpid()}"
+            tmp.mkdir(parents=True, exist_ok=True)
+            with tarfile.open(fileobj=io.BytesIO(data)) as tar:
+                tar.extractall(tmp, filter="tar")
+            try:
+                tmp.rename(dest)
+            except OSError:  # another actor of this node unpacked it first
+                shutil.rmtree(tmp, ignore_errors=True)
+        return str(dest)
