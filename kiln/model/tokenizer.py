@@ -32,6 +32,8 @@ DEFAULT_MAX_BYTES = 32_000_000  # about the whole stdlib's source: 10-20 s at vo
 # transformers only uses this to warn about (or truncate) long inputs; a checkpoint can save its own.
 DEFAULT_MODEL_MAX_LENGTH = 4096
 CHAT_TEMPLATE = (Path(__file__).parent / "chat_template.jinja").read_text(encoding="utf-8")
+# tokenizer_config.json keys an imported tokenizer keeps for transformers (kiln's encode never adds BOS/EOS)
+_KEPT_CONFIG = ("add_bos_token", "add_eos_token")
 
 # What list_corpus_files takes from a directory: source and prose a coding model reads.
 CORPUS_SUFFIXES = frozenset({".py", ".pyi", ".md", ".rst", ".txt", ".toml", ".json", ".c", ".h", ".cpp",
@@ -204,6 +206,12 @@ class KilnTokenizer:
     Special-token strings inside text encode to their special ids (the rendered chat template is
     plain text and must tokenise into control tokens), and decode keeps specials, so
     decode(encode(s)) == s for every string s.
+
+    A vocabulary kiln did not train (an imported model's: `kiln model import-gguf`) names its own
+    special tokens (`special_tokens`: bos/eos/pad/unk as tokenizer_config.json has them): eos_id is
+    its eos token (what ends a reply), pad_id its pad token (else eos), endoftext_id its
+    `<|endoftext|>` where it has one, else eos (what separates documents); kiln's other ids are
+    looked up by string and are None where the vocabulary lacks them.
     """
     endoftext_id = pad_id = 0
     im_start_id = 1
@@ -214,14 +222,46 @@ class KilnTokenizer:
     special_ids: ClassVar[dict[str, int]] = {token: i for i, token in enumerate(SPECIAL_TOKENS)}
 
     def __init__(self, tokenizer: Tokenizer, chat_template: str = CHAT_TEMPLATE,
-                 model_max_length: int = DEFAULT_MODEL_MAX_LENGTH):
-        found = {t: tokenizer.token_to_id(t) for t in SPECIAL_TOKENS}
-        if found != self.special_ids:
-            raise ValueError(f"special tokens are not at kiln's fixed ids: expected {self.special_ids}, found {found}")
+                 model_max_length: int = DEFAULT_MODEL_MAX_LENGTH, special_tokens: dict | None = None,
+                 extra_config: dict | None = None):
         self._tok = tokenizer
+        self.special_tokens = special_tokens
+        self.extra_config = dict(extra_config or {})  # tokenizer_config.json keys kept as they are (add_bos_token)
+        if special_tokens is None:
+            found = {t: tokenizer.token_to_id(t) for t in SPECIAL_TOKENS}
+            if found != self.special_ids:
+                raise ValueError(f"special tokens are not at kiln's fixed ids: expected {self.special_ids}, found {found}")
+        else:
+            self._own_specials(special_tokens)
         self.chat_template = chat_template
         self.model_max_length = model_max_length
         self._template = _compile_template(chat_template)
+
+    def _own_specials(self, special_tokens: dict) -> None:
+        def token_id(key: str) -> int | None:
+            token = special_tokens.get(key)
+            if token is None:
+                return None
+            i = self._tok.token_to_id(token)
+            if i is None:
+                raise ValueError(f"the {key} {token!r} is not in the vocabulary")
+            return i
+
+        ids = {t: self._tok.token_to_id(t) for t in SPECIAL_TOKENS}
+        self.special_ids = {t: i for t, i in ids.items() if i is not None}
+        (self.endoftext_id, self.im_start_id, self.im_end_id, self.tool_call_start_id, self.tool_call_end_id,
+         self.tool_response_start_id, self.tool_response_end_id, self.think_start_id, self.think_end_id) = ids.values()
+        self.eos_id = token_id("eos_token")
+        if self.eos_id is None:
+            raise ValueError("the tokenizer names no eos_token (tokenizer_config.json): kiln needs one to end replies")
+        self.pad_id = token_id("pad_token")
+        self.pad_id = self.eos_id if self.pad_id is None else self.pad_id
+        self.endoftext_id = self.eos_id if self.endoftext_id is None else self.endoftext_id
+
+    @property
+    def backend(self) -> Tokenizer:
+        """The `tokenizers` object underneath (to edit the vocabulary: trim_vocab.py)."""
+        return self._tok
 
     @property
     def vocab_size(self) -> int:
@@ -246,16 +286,21 @@ class KilnTokenizer:
         out = Path(out_dir)
         out.mkdir(parents=True, exist_ok=True)
         self._tok.save(str(out / "tokenizer.json"))
-        specials = {"bos_token": None, "eos_token": EOS_TOKEN, "pad_token": PAD_TOKEN, "unk_token": None,
-                    "additional_special_tokens": [t for t in SPECIAL_TOKENS if t not in (EOS_TOKEN, PAD_TOKEN)]}
+        if self.special_tokens is None:
+            specials = {"bos_token": None, "eos_token": EOS_TOKEN, "pad_token": PAD_TOKEN, "unk_token": None,
+                        "additional_special_tokens": [t for t in SPECIAL_TOKENS if t not in (EOS_TOKEN, PAD_TOKEN)]}
+        else:
+            specials = {k: self.special_tokens.get(k) for k in ("bos_token", "eos_token", "pad_token", "unk_token")}
+        added = {i: t for i, t in self._tok.get_added_tokens_decoder().items() if t.special}
         config = {
             "tokenizer_class": "PreTrainedTokenizerFast",
             **specials,
-            "added_tokens_decoder": {str(i): {"content": t, "lstrip": False, "normalized": False, "rstrip": False,
-                                              "single_word": False, "special": True}
-                                     for i, t in enumerate(SPECIAL_TOKENS)},
+            "added_tokens_decoder": {str(i): {"content": t.content, "lstrip": t.lstrip, "normalized": t.normalized,
+                                              "rstrip": t.rstrip, "single_word": t.single_word, "special": True}
+                                     for i, t in sorted(added.items())},
             "model_max_length": self.model_max_length,
             "clean_up_tokenization_spaces": False,  # any cleanup would break the exact round trip
+            **self.extra_config,
             "chat_template": self.chat_template,
         }
         _write_json(out / "tokenizer_config.json", config)
@@ -269,7 +314,8 @@ def _write_json(path: Path, obj: dict) -> None:
 
 
 def load_tokenizer(path: Path) -> KilnTokenizer:
-    """Read a tokenizer directory written by `save` (or by transformers' save_pretrained)."""
+    """Read a tokenizer directory written by `save` (or by transformers' save_pretrained): kiln's
+    own vocabulary, or an imported one with its own special tokens."""
     d = Path(path)
     if not (d / "tokenizer.json").is_file():
         raise FileNotFoundError(f"no tokenizer.json in {str(d)!r}: train one with `kiln tokenizer train`")
@@ -279,8 +325,14 @@ def load_tokenizer(path: Path) -> KilnTokenizer:
     template = template_file.read_text(encoding="utf-8") if template_file.is_file() else config.get("chat_template")
     if template is None:
         raise ValueError(f"no chat template in {str(d)!r} (tokenizer_config.json or chat_template.jinja)")
-    return KilnTokenizer(Tokenizer.from_file(str(d / "tokenizer.json")), template,
-                         config.get("model_max_length", DEFAULT_MODEL_MAX_LENGTH))
+    tok = Tokenizer.from_file(str(d / "tokenizer.json"))
+    specials = None
+    if any(tok.token_to_id(t) != i for i, t in enumerate(SPECIAL_TOKENS)):
+        # older transformers files write a special token as {"content": ...}
+        specials = {k: v.get("content") if isinstance(v, dict) else v
+                    for k in ("bos_token", "eos_token", "pad_token", "unk_token") if (v := config.get(k)) is not None}
+    extra = {k: config[k] for k in _KEPT_CONFIG if k in config}
+    return KilnTokenizer(tok, template, config.get("model_max_length", DEFAULT_MODEL_MAX_LENGTH), specials, extra)
 
 
 def bytes_per_token(tokenizer: KilnTokenizer, texts: Iterable[str]) -> float:
