@@ -194,3 +194,30 @@ def import_gguf_cmd(
                f"{r.config.num_hidden_layers} layers, vocab {r.config.vocab_size}; tensors {types}; "
                f"chat template {template}; {r.seconds:.1f} s")
 
+
+@model_app.command("trim-vocab")
+def trim_vocab_cmd(
+        checkpoint: Annotated[str, typer.Argument(help="A checkpoint folder (config.json, weights, tokenizer).")],
+        corpus: Annotated[list[str], typer.Option(
+            "--corpus", help="A file or folder of the text the model will see (code, trajectories); repeatable.")],
+        out: Annotated[str, typer.Option("--out", help="Folder to write the trimmed checkpoint into.")],
+        max_mb: Annotated[float | None, typer.Option("--max-mb", help="Read at most this many MB of the corpus.")] = None):
+    """Keep only the tokens CORPUS uses (plus special tokens and the byte alphabet): the embedding,
+    the output head and the tokenizer shrink; text made of kept tokens gives the same logits."""
+    from kiln.model.checkpoint import CheckpointError
+    from kiln.model.tokenizer import list_corpus_files
+    from kiln.model.trim_vocab import TrimError, trim_checkpoint
+
+    try:
+        files = list_corpus_files(Path(c) for c in corpus)
+    except FileNotFoundError as e:
+        fail(str(e))
+    if not files:
+        fail(f"no corpus files under {', '.join(corpus)} (folders are searched for source and text files)")
+    make_out(out)
+    try:
+        r = trim_checkpoint(checkpoint, files, out, None if max_mb is None else int(max_mb * 1e6))
+    except (CheckpointError, TrimError, FileNotFoundError, ValueError) as e:
+        fail(str(e))
+    typer.echo(f"{checkpoint} -> {out}: kept {r.kept} of {r.before} tokens ({r.kept / r.before:.1%}); "
+               f"the corpus ({r.corpus_bytes / 1e6:.1f} MB) used {r.corpus_tokens}")
