@@ -1,7 +1,7 @@
 """RL throughput, one run: synchronous against asynchronous, the same tiny configuration and the same
 number of samples.
 
-Both arms are `kiln rl` (kiln/rl/launcher.py: a trainer process, rollout worker processes, the
+Both arms are `kiln rl` (kiln/rl/launcher.py: the trainer and rollout workers as Ray actors, the
 weight store) on the same SFT checkpoint, prompts and settings; only `rl.max_lag` differs. The
 baseline, max_lag = 0, is synchronous on-policy RL: a version's groups are all rolled out with
 that version, the trainer waits for the last of them, and the workers wait for the next version.
@@ -17,7 +17,9 @@ trains, which is the cost asynchrony removes. "shared" lets every process use ev
 machine this small the OS gives an idle role's cores to the busy one, so the two arms mostly
 time-share the same cores and asynchrony has little left to reclaim.
 
-samples/s counts rollouts over each arm's wall time (launch to the final checkpoint). The trainer
+samples/s counts rollouts over each arm's wall time (launch to the final checkpoint). Both arms
+share one Ray, started before the first (or the one at --address / $RAY_ADDRESS), so its start-up
+is in neither. The trainer
 idle fraction is the async arm's time waiting for groups over its loop time; delta_fraction is the
 mean bytes published per step over the full weights' bytes.
 
@@ -32,6 +34,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from kiln import cluster
 from kiln.config import load_config
 from kiln.rl.launcher import prepare_tasks, run_rl
 
@@ -64,6 +67,7 @@ def main() -> None:
     ap.add_argument("--placement", choices=["split", "shared"], default="split",
                     help="split: trainer and workers on disjoint halves of the CPUs; shared: all on all")
     ap.add_argument("--out", default=None, help="keep both runs here (default: a temporary folder)")
+    ap.add_argument("--address", default="", help="a Ray cluster to run on (default: $RAY_ADDRESS, else a local Ray)")
     args = ap.parse_args()
     root = Path(args.out or tempfile.mkdtemp(prefix="kiln-rl-bench-"))
     cpus = sorted(os.sched_getaffinity(0))
@@ -74,9 +78,11 @@ def main() -> None:
     base = load_config(args.config, [f"rl.steps={args.steps}", f"rl.group_size={args.group_size}",
                                      f"rl.workers={args.workers}",
                                      f"rl.trainer_cpus={trainer}", f"rl.worker_cpus={workers}",
-                                     f"sandbox.state_dir={root / 'sandboxes'}"])
+                                     f"sandbox.state_dir={root / 'sandboxes'}", f'ray.address="{args.address}"'])
     print(f"placement {args.placement}: trainer on CPUs {trainer or cpus}, workers on {workers or cpus}", flush=True)
     tasks = prepare_tasks(base, root / "shared")
+    rl = base.rl
+    cluster.connect(base.ray, min_cpus=rl.trainer_resources.get("CPU", 0) + rl.workers * rl.worker_resources.get("CPU", 0))
     res = {}
     for name, lag in (("sync", 0), ("async", args.lag)):
         cfg = base.model_copy(deep=True)

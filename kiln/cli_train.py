@@ -79,13 +79,20 @@ def sft_cmd(
 def rl_cmd(
     checkpoint: Annotated[str | None, typer.Option(
         "--checkpoint", help="The policy to train; default: rl.checkpoint, else <run dir>/sft/checkpoint.")] = None,
+    address: Annotated[str | None, typer.Option(
+        "--address", help="A Ray cluster to run on (ray.address), e.g. head-node:6379; default $RAY_ADDRESS, "
+                          "else a local Ray on this machine.")] = None,
     overrides: Overrides = None, config: ConfigOpt = None, dry_run: DryRun = False,
 ) -> None:
-    """Asynchronous RL in the harness: a trainer and rl.workers rollout worker processes, groups of
-    rl.group_size rollouts per toy prompt (single epoch), weights shipped as deltas through a store
-    and swapped in mid-rollout; writes <run dir>/rl (metrics.jsonl, the model in checkpoint/).
-    A rerun resumes."""
-    cfg = resolve(config, overrides, dry_run)
+    """Asynchronous RL in the harness: a trainer and rl.workers rollout workers as Ray actors, groups
+    of rl.group_size rollouts per toy prompt (single epoch), weights shipped as deltas through a store
+    (rl.store: a folder, or s3://bucket/prefix across machines) and swapped in mid-rollout; writes
+    <run dir>/rl (metrics.jsonl, the model in checkpoint/). A rerun resumes.
+
+    On this machine it starts a local Ray. On a cluster: `ray start --head` on one node, `ray start
+    --address HEAD:6379` on the others, then `kiln rl --address HEAD:6379 rl.store=s3://...` (roles go
+    where rl.trainer_resources / rl.worker_resources fit; see README, "Running on a cluster")."""
+    cfg = resolve(config, (overrides or []) + ([f'ray.address="{address}"'] if address else []), dry_run)
     from kiln.rl.launcher import RLError, rl_dir_of, run_rl
 
     run_root = os.path.join(cfg.run.out_dir, cfg.run.name)

@@ -43,3 +43,35 @@ def tiny_checkpoint(tmp_path_factory):
     from tests.tiny_model import make_tiny_checkpoint
 
     return make_tiny_checkpoint(tmp_path_factory.mktemp("tiny"))
+
+
+@pytest.fixture(scope="session")
+def ray_cluster(tmp_path_factory):
+    """One Ray for the whole pytest run (it takes ~30-40 s to start on 2 loaded cores), made on first
+    use: two nodes on loopback, the head with the custom resource trainer_node, the other with
+    rollout_node. The process is its driver (ray.init(address=...)); kiln's own connect() then finds
+    Ray initialised and uses it. Folders shipped to the second node unpack under a tmp cache."""
+    import os
+
+    os.environ["RAY_USAGE_STATS_ENABLED"] = "0"
+    os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"  # every node on 127.0.0.1 (kiln/cluster.py)
+    os.environ["KILN_SHIP_CACHE"] = str(tmp_path_factory.mktemp("shipped"))
+    os.environ["RAY_worker_niceness"] = "0"  # as kiln's local Ray: actors keep the test's priority
+    import ray
+    from ray.cluster_utils import Cluster
+
+    small = {"object_store_memory": 128 << 20}
+    for attempt in range(3):  # Ray gives a raylet 30 s to register: a machine busy with other work can miss it
+        c = Cluster()
+        try:
+            c.add_node(num_cpus=2, resources={"trainer_node": 1}, include_dashboard=False, **small)
+            c.add_node(num_cpus=2, resources={"rollout_node": 4}, **small)
+            break
+        except Exception:
+            c.shutdown()
+            if attempt == 2:
+                raise
+    ray.init(address=c.address, log_to_driver=True)
+    yield c
+    ray.shutdown()
+    c.shutdown()

@@ -179,9 +179,10 @@ def test_serve_answers_on_loopback_and_stops_on_ctrl_c(tiny_checkpoint):
     assert proc.returncode == 0 and out.strip() == "stopping" and "Traceback" not in err
 
 
-@pytest.mark.slow  # spawns a trainer and a worker process
-def test_rl_trains_a_checkpoint_through_the_command(tiny_checkpoint, tmp_path, state):
-    """`kiln rl` itself: trainer and worker processes, one step of one group of two, the checkpoint."""
+@pytest.mark.slow  # a trainer and a worker actor
+@pytest.mark.timeout(600)  # the first user of the session's Ray pays its start-up
+def test_rl_trains_a_checkpoint_through_the_command(tiny_checkpoint, tmp_path, state, ray_cluster):
+    """`kiln rl` itself, on the session's Ray: one step of one group of two, the checkpoint."""
     over = {"tasks": 2, "steps": 1, "groups_per_step": 1, "group_size": 2, "workers": 1, "timeout_s": 240}
     result = invoke("rl", "--checkpoint", tiny_checkpoint, f"run.out_dir={tmp_path}", state, "harness.max_turns=2",
                     "harness.max_turn_tokens=8", *(f"rl.{k}={v}" for k, v in over.items()))

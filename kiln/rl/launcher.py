@@ -1,32 +1,39 @@
-"""`kiln rl`: one launcher starts the trainer and N rollout workers as processes from one config,
-owns the orchestrator, and keeps the run going.
+"""`kiln rl`: the driver. It owns the orchestrator, runs the trainer and N rollout workers as Ray
+actors (a local Ray by default, a cluster by `ray.address` / `$RAY_ADDRESS`), and feeds them:
+prompts to idle workers, finished groups to the trainer.
 
-- A worker that dies (crash, kill -9) has its running groups re-queued and is restarted.
-- A trainer that dies is restarted; it resumes from its last state (weights, optimizer, version,
-  groups trained), and the groups it had taken but not trained go back to the queue.
-- Everything is on disk under `<run dir>/rl/`: `orchestrator.json` (prompts left, every group's
-  state), `groups/` (trajectories), `state/` (the trainer), `weights/` (the store), so running
-  `kiln rl` again after the launcher itself died picks up where it stopped.
-- No wait is unbounded: no progress (a group finished or a step trained) for rl.timeout_s aborts
-  the run with an error naming what was waiting.
+- Roles get `rl.trainer_resources` / `rl.worker_resources` (CPUs, GPUs, custom resources) in one
+  placement group of strategy `rl.placement`: PACK/STRICT_PACK keep them together, SPREAD/
+  STRICT_SPREAD apart.
+- Only small things travel through Ray: jobs, a group's JSON files (kept by the driver under
+  `groups/`), the groups handed to the trainer, metrics rows. Weights go through the weight store
+  (a folder, or `s3://` across nodes); the store, not Ray's object store, is their source of truth.
+- A worker that dies (ray.kill, its process killed, its node gone) is restarted by Ray
+  (`max_restarts`) and its running groups are re-queued; a Python error in a rollout re-queues
+  that group. A trainer that dies is restarted by Ray and resumes from `state/` (weights,
+  optimizer, version, groups trained); the groups it had taken but not trained go back to the
+  queue. A trainer step that raises restarts it the same way (its memory is not trusted).
+- Everything the run needs to resume is on the driver's disk under `<run dir>/rl/`:
+  `orchestrator.json`, `groups/`, `metrics.jsonl`; the trainer keeps `state/` and `checkpoint/`
+  under the same path on its node. Running `kiln rl` again after the driver died picks up there.
+- No wait is unbounded: no progress (a role started, a group finished, a step trained) for
+  rl.timeout_s is an error naming every role still awaited and its node.
 """
 from __future__ import annotations
 
-import json
-import multiprocessing as mp
 import os
-import secrets
 import time
 from pathlib import Path
 
+from kiln import cluster
 from kiln.config import config_to_toml
 
 from . import placement
 from .orchestrator import Orchestrator, Prompt
-from .rpc import RpcServer
 from .store import WeightStore
 
-MAX_RESTARTS = 5  # per process: more means something is broken, not unlucky
+MAX_RESTARTS = 5  # per role: more means something is broken, not unlucky
+POLL_S = 0.5
 
 
 class RLError(RuntimeError):
@@ -49,100 +56,304 @@ def prepare_tasks(cfg, rl_dir: Path, progress: bool = True) -> Path:
 
 
 def run_rl(cfg, checkpoint: str, rl_dir: str, progress: bool = True) -> dict:
-    """Train the policy at `checkpoint` with asynchronous RL; returns a summary (metrics rows, final checkpoint)."""
+    """Train the policy at `checkpoint` with asynchronous RL; returns a summary (metrics rows, final
+    checkpoint, group counts, restarts per role)."""
     from kiln.tasks.record import load_suite
 
-    from .loop import trainer_main
     from .rollout import task_kind
-    from .worker import worker_main
 
-    rl, run = cfg.rl, Path(rl_dir)
-    try:
-        placement.check(rl.trainer_cpus, rl.worker_cpus)
-    except ValueError as e:
-        raise RLError(str(e)) from None
+    rl, run = cfg.rl, Path(rl_dir).resolve()
+    if not (cfg.ray.address or os.environ.get("RAY_ADDRESS")):  # one machine: its CPU ids, checked up front
+        try:
+            placement.check(rl.trainer_cpus, rl.worker_cpus)
+        except ValueError as e:
+            raise RLError(str(e)) from None
     if not (Path(checkpoint) / "config.json").is_file():
         raise RLError(f"no checkpoint at {checkpoint!r}: run `kiln sft` first, or set rl.checkpoint=DIR")
-    run.mkdir(parents=True, exist_ok=True)
-    suite = prepare_tasks(cfg, run, progress)
-    tasks = load_suite(str(suite))[: rl.tasks]
-    if len(tasks) < rl.steps * rl.groups_per_step:
-        raise RLError(f"{rl.steps} steps x {rl.groups_per_step} groups need {rl.steps * rl.groups_per_step} "
-                      f"prompts (single epoch) but there are {len(tasks)}: raise rl.tasks")
-    cfg_path = run / "config.toml"
-    cfg_path.write_text(config_to_toml(cfg))
-    orch = Orchestrator(str(run / "orchestrator.json"), [Prompt(t.id, task_kind(t)) for t in tasks], rl, cfg.run.seed)
-    start = {"checkpoint": str(Path(checkpoint).resolve()), "store": rl.store or str(run / "weights"),
-             "tasks": str(suite)}
-    last_progress = [time.monotonic()]
-
-    def submit(worker: str, group: int, path: str) -> bool:
-        with open(path) as f:
-            cost = json.load(f)["cost"]
-        ok = orch.submit(worker, group, path, cost)
-        last_progress[0] = time.monotonic()
-        return ok
-
-    def trained(ids: list[int], version: int) -> None:
-        orch.trained(ids, version)
-        last_progress[0] = time.monotonic()
-
-    def next_job(worker: str, version: int):
-        return {"stop": True} if orch.finished() else orch.next_job(worker, version)
-
-    handlers = {"start_info": lambda: start, "next_job": next_job, "submit": submit, "trained": trained,
-                "hello": orch.hello, "take": lambda n, wait: orch.take(n, wait)}
-    authkey = secrets.token_bytes(16)
-    server = RpcServer(handlers, authkey, on_disconnect=lambda who: who.startswith("worker") and orch.worker_lost(who))
-    server.start()
-    ctx = mp.get_context("spawn")  # a clean interpreter: no inherited threads, locks or sandboxes
-    args = (str(cfg_path), str(run))
-
-    def spawn(name: str):
-        if name == "trainer":
-            p = ctx.Process(target=trainer_main, args=(*args, server.address, authkey), name=name)
-        else:
-            p = ctx.Process(target=worker_main, args=(*args, int(name.split("-")[1]), server.address, authkey),
-                            name=name)
-        p.start()
-        return p
-
-    procs = {n: spawn(n) for n in ["trainer"] + [f"worker-{i}" for i in range(rl.workers)]}
-    restarts = dict.fromkeys(procs, 0)
+    need_cpus = rl.trainer_resources.get("CPU", 0) + rl.workers * rl.worker_resources.get("CPU", 0)
     try:
-        while not (orch.finished() and procs["trainer"].exitcode == 0):
-            time.sleep(0.5)
-            for name, p in list(procs.items()):
-                if p.exitcode is None or (name == "trainer" and p.exitcode == 0):
-                    continue
-                if name.startswith("worker") and orch.finished():
-                    continue
-                restarts[name] += 1
-                if restarts[name] > MAX_RESTARTS:
-                    raise RLError(f"{name} died {MAX_RESTARTS + 1} times (last exit code {p.exitcode}); "
-                                  f"see its traceback above")
-                if name.startswith("worker"):
-                    lost = orch.worker_lost(f"{name}.{p.pid}")
-                    WeightStore(start["store"]).forget(f"{name}.{p.pid}")  # its marker would pin old versions
-                    print(f"rl: {name} exited with {p.exitcode}; re-queued groups {lost}; restarting", flush=True)
-                else:
-                    print(f"rl: the trainer exited with {p.exitcode}; restarting it from its last state", flush=True)
-                procs[name] = spawn(name)
-                last_progress[0] = time.monotonic()
-            if time.monotonic() - last_progress[0] > rl.timeout_s:
-                raise RLError(f"no group finished and no step trained for {rl.timeout_s:.0f} s "
-                              f"(groups: {orch.counts()}); raise rl.timeout_s if rollouts are just slow")
+        started = cluster.connect(cfg.ray, min_cpus=need_cpus)
+    except cluster.ClusterError as e:
+        raise RLError(str(e)) from None
+    try:
+        # What no node can hold is refused before any work (Ray would leave it pending).
+        cluster.check_fits("trainer", "rl.trainer_resources", rl.trainer_resources)
+        cluster.check_fits("rollout worker", "rl.worker_resources", rl.worker_resources, rl.workers)
+        run.mkdir(parents=True, exist_ok=True)
+        suite = prepare_tasks(cfg, run, progress)
+        tasks = load_suite(str(suite))[: rl.tasks]
+        if len(tasks) < rl.steps * rl.groups_per_step:
+            raise RLError(f"{rl.steps} steps x {rl.groups_per_step} groups need {rl.steps * rl.groups_per_step} "
+                          f"prompts (single epoch) but there are {len(tasks)}: raise rl.tasks")
+        (run / "config.toml").write_text(config_to_toml(cfg))
+        orch = Orchestrator(str(run / "orchestrator.json"), [Prompt(t.id, task_kind(t)) for t in tasks], rl,
+                            cfg.run.seed)
+        return Driver(cfg, orch, run, Path(checkpoint).resolve(), suite.resolve()).run()
+    except cluster.ClusterError as e:
+        raise RLError(str(e)) from None
     finally:
-        deadline = time.monotonic() + 30
-        for p in procs.values():
-            p.join(max(0.1, deadline - time.monotonic()))
-            if p.exitcode is None:
-                p.kill()
-                p.join(5)
-        server.close()
+        if started:
+            import ray
+
+            ray.shutdown()
+
+
+class Driver:
+    """One run's actors and the loop that feeds them (see the module doc)."""
+
+    def __init__(self, cfg, orch: Orchestrator, run: Path, checkpoint: Path, suite: Path):
+        import ray
+        from ray.util.placement_group import placement_group
+
+        from .loop import Trainer
+        from .worker import RolloutWorker
+
+        self.ray, self.cfg, self.rl, self.orch, self.dir = ray, cfg, cfg.rl, orch, run
+        rl = self.rl
+        self.store_url = rl.store or str(run / "weights")
+        if "://" not in self.store_url:
+            self.store_url = str(Path(self.store_url).resolve())
+            if len(cluster.alive_nodes()) > 1:
+                print(f"rl: warning: the weight store {self.store_url} is a folder: every node must see it at "
+                      f"that path (a shared filesystem); set rl.store=s3://bucket/prefix otherwise", flush=True)
+        bundles = [_bundle("rl.trainer_resources", rl.trainer_resources)]
+        bundles += [_bundle("rl.worker_resources", rl.worker_resources)] * rl.workers
+        self.pg = placement_group(bundles, strategy=rl.placement)
+        if not self.pg.wait(timeout_seconds=rl.timeout_s):
+            ray.util.remove_placement_group(self.pg)
+            raise RLError(f"Ray could not place the roles within {rl.timeout_s:.0f} s: placement group "
+                          f"{rl.placement} of {bundles} (trainer first, then each worker) on nodes "
+                          f"{[cluster.describe(n) + ' ' + cluster._fmt(n['Resources']) for n in cluster.alive_nodes()]}")
+        # Held for the run: a restarted actor gets these again, shipped folders included.
+        self.start = start = {"checkpoint": cluster.Shipped.of(str(checkpoint), skip=("mtp.safetensors",)),
+                              "store": self.store_url, "tasks": cluster.Shipped.of(str(suite))}
+        self.trainer = Trainer.options(**self._opts(0, rl.trainer_resources, "trainer")).remote(cfg, start, str(run))
+        self.workers = [RolloutWorker.options(**self._opts(i + 1, rl.worker_resources, f"worker-{i}")).remote(
+            cfg, start, i) for i in range(rl.workers)]
+        self.roles = ["trainer"] + [f"worker-{i}" for i in range(rl.workers)]
+        self.info: dict[str, dict | None] = dict.fromkeys(self.roles)  # ready() of each role's live incarnation
+        self.restarts = dict.fromkeys(self.roles, 0)
+        self.version = dict.fromkeys(self.roles[1:], 0)
+        self.calls: dict = {}  # ObjectRef -> (role, kind, payload, since)
+        self.asked: dict[str, float] = {}  # a worker's last version query
+        self.metrics = _metrics(run)
+        self.idle, self.idle_since = 0.0, None
+        self.ready_at = dict.fromkeys(self.roles, 0.0)  # roles to ask ready() (started, or restarting) and when
+
+    def _opts(self, bundle: int, resources: dict, role: str) -> dict:
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        # Named for the dashboard (and for tests that inject faults): the role and the run dir.
+        return {**cluster.ray_options(resources), "max_restarts": MAX_RESTARTS, "max_task_retries": 0,
+                "name": actor_name(role, self.dir),
+                "scheduling_strategy": PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=bundle)}
+
+    def _actor(self, role: str):
+        return self.trainer if role == "trainer" else self.workers[int(role.split("-")[1])]
+
+    def _call(self, role: str, kind: str, *args, payload=None) -> None:
+        ref = getattr(self._actor(role), kind).remote(*args)
+        self.calls[ref] = (role, kind, payload, time.monotonic())
+
+    def _busy(self, role: str, kind: str) -> bool:
+        return any(r == role and k == kind for r, k, _, _ in self.calls.values())
+
+    def run(self) -> dict:
+        self.progress = time.monotonic()
+        try:
+            while not (self.orch.finished() and not self._busy("trainer", "step")):
+                self._dispatch()
+                if self.calls:
+                    done, _ = self.ray.wait(list(self.calls), num_returns=1, timeout=POLL_S)
+                    for ref in done:
+                        self._collect(ref, *self.calls.pop(ref))
+                else:  # every role idle: workers held back by admission, the trainer short of groups
+                    time.sleep(POLL_S)
+                if time.monotonic() - self.progress > self.rl.timeout_s:
+                    raise RLError(f"no role started, no group finished and no step trained for "
+                                  f"{self.rl.timeout_s:.0f} s; waiting on {self._waiting()} (groups: "
+                                  f"{self.orch.counts()}); raise rl.timeout_s if rollouts are just slow")
+            checkpoint = self._get(self.trainer.finish.remote(), "trainer", "saving the checkpoint")
+        finally:
+            self._stop()
+        return {"metrics": self.metrics.rows(), "checkpoint": checkpoint, "groups": self.orch.counts(),
+                "restarts": self.restarts, "nodes": {r: i and i["node_id"] for r, i in self.info.items()}}
+
+    def _dispatch(self) -> None:
+        rl, now = self.rl, time.monotonic()
+        for role, at in list(self.ready_at.items()):
+            if now >= at:
+                del self.ready_at[role]
+                self._call(role, "ready")
+        for role in self.roles[1:]:
+            if self.info[role] is None or self._busy(role, "rollout") or self.orch.finished():
+                continue
+            job = self.orch.next_job(self.info[role]["name"], self.version[role])
+            if job is not None:
+                self._call(role, "rollout", job, payload={**job, "worker": self.info[role]["name"]})
+            elif not self._busy(role, "version") and now - self.asked.get(role, 0) > 1.0:
+                self.asked[role] = now  # refused for lag: has the poller brought newer weights?
+                self._call(role, "version")
+        if self.info["trainer"] is not None and not self._busy("trainer", "step") and not self.orch.finished():
+            groups = self.orch.take(rl.groups_per_step, 0)
+            if groups:
+                from .rollout import load_group
+
+                wait = now - (self.idle_since or now)
+                self.idle += wait
+                self._call("trainer", "step", [load_group(g["path"], g["started_version"]) for g in groups],
+                           wait, self.idle, payload=[g["id"] for g in groups])
+            elif self.idle_since is None:
+                self.idle_since = now
+
+    def _collect(self, ref, role: str, kind: str, payload, since: float) -> None:
+        from ray.exceptions import ActorUnavailableError, RayActorError, RayTaskError
+
+        try:
+            value = self.ray.get(ref, timeout=self.rl.timeout_s)
+        except RayActorError as e:  # died: Ray restarts it (max_restarts); ready() answers when it is back
+            if e.actor_init_failed:  # its start raised: the same arguments would raise again
+                raise RLError(f"the {role} could not start: {_first_line(e)}") from None
+            if kind == "ready":  # still restarting (not counted), or died again while starting (counted)
+                if not isinstance(e, ActorUnavailableError):
+                    self._count(role, "its node", f"died again while restarting ({_first_line(e)})")
+                self.ready_at[role] = time.monotonic() + 1.0
+            elif self.info[role] is not None:  # the first sign of this death; later ones add nothing
+                self._lost(role, f"died ({_first_line(e)})", restart=False)
+            return
+        except RayTaskError as e:
+            if self.info[role] is not None:
+                self._lost(role, f"raised {_first_line(e)}", restart=role == "trainer")
+            return
+        self.progress = time.monotonic()
+        if kind == "ready":
+            self.info[role] = value
+            where = cluster.node_of(value["node_id"])
+            if role == "trainer":
+                self._trainer_back(value, where)
+            else:
+                self.version[role] = value["version"]
+                print(f"rl: {role} ready on {where} ({value['name']}, weights version {value['version']})", flush=True)
+        elif kind == "version":
+            self.version[role] = value
+        elif kind == "rollout":
+            from .rollout import keep_group
+
+            self.version[role] = value["version"]
+            if value["name"] != payload["worker"]:  # it died while idle and this call found its next incarnation
+                self._restarted(role, payload["worker"], {**self.info[role], "name": value["name"]})
+            path = keep_group(value["files"], str(self.dir / "groups"), payload["group"])
+            self.orch.submit(payload["worker"], payload["group"], path, value["files"]["group.json"]["cost"])
+        elif kind == "step":
+            value, pid = value
+            if pid != self.info[role]["pid"]:  # it died while idle; its next incarnation resumed from state/
+                self._restarted(role, f"pid {self.info[role]['pid']}", {**self.info[role], "pid": pid})
+            self.metrics.append(value)
+            self.orch.trained(payload, value["step"])
+            self.idle_since = time.monotonic()
+            print(f"rl step {value['step']}/{self.rl.steps}: reward {value['reward_mean']:+.3f} solved "
+                  f"{value['solved_mean']:.2f} best-of-{self.rl.group_size} {value['solved_best_of_k']:.2f} "
+                  f"mismatch_kl {value.get('mismatch_kl_k3', 0):.2e} lag {value['group_lag']} "
+                  f"waited {value['wait_s']:.1f}s", flush=True)
+
+    def _trainer_back(self, info: dict, where: str) -> None:
+        """A (re)started trainer: its state says which groups are trained; the rest it held go back."""
+        v = info["version"]
+        self.orch.hello(v, info["trained"])
+        self.metrics.truncate(v)
+        if info["metrics"] and not any(r["step"] == v for r in self.metrics.rows()):
+            self.metrics.append(info["metrics"])  # it saved this step, then died before returning it
+        self.idle_since = time.monotonic()
+        print(f"rl: trainer ready on {where} at version {v}", flush=True)
+
+    def _restarted(self, role: str, old: str, info: dict) -> None:
+        """A restart noticed only by a later answer (the role died between calls)."""
+        self.restarts[role] += 1
+        self.info[role] = info
+        if role != "trainer":
+            self.orch.worker_lost(old)
+            WeightStore(self.store_url).forget(old)
+        print(f"rl: the {role} ({old}) was restarted between calls", flush=True)
+
+    def _count(self, role: str, where: str, why: str) -> None:
+        self.restarts[role] += 1
+        if self.restarts[role] > MAX_RESTARTS:
+            raise RLError(f"the {role} on {where} failed {MAX_RESTARTS + 1} times; last it {why}")
+
+    def _lost(self, role: str, why: str, restart: bool) -> None:
+        """A role's live incarnation is gone: count it, give back its work, and await the next one."""
+        info, self.info[role] = self.info[role], None
+        where = cluster.node_of(info["node_id"]) if info else "its node"
+        self._count(role, where, why)
+        if role == "trainer":
+            print(f"rl: the trainer on {where} {why}; it restarts from its last state", flush=True)
+            if restart:  # a step raised midway: its weights and optimizer may be half-updated
+                self.ray.kill(self.trainer, no_restart=False)
+        elif info is not None:
+            lost = self.orch.worker_lost(info["name"])
+            WeightStore(self.store_url).forget(info["name"])  # its marker would pin old versions
+            print(f"rl: {role} on {where} {why}; re-queued groups {lost}", flush=True)
+        for ref, (r, kind, _, _) in list(self.calls.items()):
+            if r == role and kind != "rollout":  # answers of the old incarnation no longer matter
+                del self.calls[ref]
+        self.ready_at[role] = time.monotonic()
+
+    def _waiting(self) -> str:
+        now, out = time.monotonic(), []
+        for role, kind, payload, since in self.calls.values():
+            info = self.info[role]
+            where = cluster.node_of(info["node_id"]) if info else "a node not yet known"
+            what = {"ready": "to start", "rollout": f"group {payload and payload['group']}",
+                    "step": f"a step on groups {payload}", "version": "its version"}[kind]
+            out.append(f"the {role} on {where} ({what}, {now - since:.0f} s)")
+        out += [f"the {role} to come back after a restart" for role in self.ready_at]
+        if self.info["trainer"] is not None and not self._busy("trainer", "step"):
+            out.append(f"the trainer for {self.rl.groups_per_step} finished group(s)")
+        return "; ".join(out) or "nothing"
+
+    def _get(self, ref, role: str, what: str):
+        from ray.exceptions import GetTimeoutError, RayError
+
+        try:
+            return self.ray.get(ref, timeout=self.rl.timeout_s)
+        except GetTimeoutError:
+            raise RLError(f"the {role} did not finish {what} within {self.rl.timeout_s:.0f} s") from None
+        except RayError as e:
+            raise RLError(f"the {role} failed {what}: {_first_line(e)}") from None
+
+    def _stop(self) -> None:
+        """Idle workers stop their engines first; then every actor and the placement group go."""
+        idle = [w for role, w in zip(self.roles[1:], self.workers) if not self._busy(role, "rollout")]
+        # A dead worker's close fails at once; the wait only bounds the live ones.
+        if idle:
+            self.ray.wait([w.close.remote() for w in idle], num_returns=len(idle), timeout=30)
+        for a in [self.trainer, *self.workers]:
+            self.ray.kill(a, no_restart=True)
+        self.ray.util.remove_placement_group(self.pg)
+
+
+def _bundle(key: str, resources: dict[str, float]) -> dict[str, float]:
+    b = {k: float(v) for k, v in resources.items() if v > 0}
+    if not b:
+        raise RLError(f"{key} = {resources}: give the role at least one resource above 0 "
+                      f"(e.g. {{CPU = 0.5}}); Ray cannot reserve an empty bundle")
+    return b
+
+
+def _metrics(run: Path):
     from kiln.pretrain.checkpointing import MetricsLog
-    return {"metrics": MetricsLog(run / "metrics.jsonl").rows(), "checkpoint": str(run / "checkpoint"),
-            "groups": orch.counts(), "restarts": restarts}
+
+    return MetricsLog(run / "metrics.jsonl")
+
+
+def _first_line(e: BaseException) -> str:
+    lines = [ln for ln in str(e).splitlines() if ln.strip()]
+    tail = next((ln for ln in reversed(lines) if not ln.startswith(" ")), "")  # the exception line of a traceback
+    return f"{type(e).__name__}: {tail or (lines[0] if lines else '')}"[:500]
+
+
+def actor_name(role: str, rl_dir) -> str:
+    return f"kiln-rl {role} {Path(rl_dir).resolve()}"
 
 
 def rl_dir_of(cfg) -> str:

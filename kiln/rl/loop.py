@@ -1,4 +1,5 @@
-"""The RL loop: the trainer process. Groups in, one optimizer step, weights out.
+"""The RL trainer: a Ray actor. Groups in, one optimizer step, weights out (the loop that feeds it
+is the driver's, kiln/rl/launcher.py).
 
 Deliberate deviations from textbook GRPO (RECIPE.md "RL"), and why:
 - Advantage = reward - group mean, no division by the group's std (Dr. GRPO): std scaling
@@ -19,68 +20,75 @@ import copy
 import time
 from pathlib import Path
 
+import ray
 
-def trainer_main(cfg_path: str, rl_dir: str, address, authkey: bytes) -> None:
-    from kiln.config import load_config
-    from kiln.model.checkpoint import load_checkpoint, save_checkpoint
-    from kiln.pretrain.checkpointing import (
-        MetricsLog,
-        find_state,
-        read_trainer_state,
-        save_state,
-    )
+from kiln import cluster
 
-    from .placement import pin
-    from .rollout import load_group
-    from .rpc import RpcClient
-    from .store import WeightStore
-    from .trainer import RLTrainer
 
-    cfg = load_config(cfg_path)
-    rl, run = cfg.rl, Path(rl_dir)
-    pin(rl.trainer_cpus)
-    client = RpcClient(address, authkey, "trainer", rl.timeout_s)
-    start = client.call("start_info")
-    model, _ = load_checkpoint(start["checkpoint"], with_mtp=False)
-    ref = copy.deepcopy(model) if rl.kl_coef > 0 else None  # the frozen start policy
-    state_dir, version, trained = find_state(run), 0, []
-    if state_dir is not None:  # resume: weights, optimizer, version, the groups already trained on
-        model, _ = load_checkpoint(state_dir, with_mtp=False)
-        st = read_trainer_state(state_dir)
-        version, trained = st["version"], st["trained"]
-    trainer = RLTrainer(model, rl, ref, version)
-    if state_dir is not None:
-        trainer.opt.load_state_dict(st["opt"])
-    store = WeightStore(start["store"], anchor_every=rl.anchor_every)
-    latest = store.latest()
-    if latest is None or latest < version:  # the first start, or killed between its state and its publish
-        store.publish(version, model.state_dict())
-    client.call("hello", version=version, trained=trained)
-    metrics = MetricsLog(run / "metrics.jsonl")
-    metrics.truncate(version)
-    idle, began = 0.0, time.monotonic()
-    while trainer.version < rl.steps:
-        t0, groups = time.monotonic(), []
-        while not groups:  # the orchestrator answers [] after its own short wait
-            groups = client.call("take", n=rl.groups_per_step, wait=5.0)
-            if not groups and time.monotonic() - t0 > rl.timeout_s:
-                raise TimeoutError(f"no finished groups for {rl.timeout_s} s: are the rollout workers alive?")
-        wait = time.monotonic() - t0
-        idle += wait
-        m = trainer.step([load_group(g["path"]) for g in groups])
-        trained += [g["id"] for g in groups]
-        save_state(run, model, None, Path(start["checkpoint"]),
-                   {"opt": trainer.opt.state_dict(), "version": trainer.version, "trained": trained})
-        pub = store.publish(trainer.version, {k: v.detach() for k, v in model.state_dict().items()})
-        client.call("trained", ids=[g["id"] for g in groups], version=trainer.version)
-        store.gc()  # what no worker holds and no rebuild needs
-        lags = [trainer.version - 1 - g["started_version"] for g in groups]
-        metrics.append({"step": trainer.version, **m, "wait_s": wait, "idle_s": idle,
-                        "elapsed_s": time.monotonic() - began, "group_lag": lags,
-                        "delta_fraction": pub["delta_fraction"], "delta_bytes": pub["bytes_written"],
-                        "groups": [g["id"] for g in groups], "wall": time.time()})
-        print(f"rl step {trainer.version}/{rl.steps}: reward {m['reward_mean']:+.3f} solved {m['solved_mean']:.2f} "
-              f"best-of-{rl.group_size} {m['solved_best_of_k']:.2f} mismatch_kl {m.get('mismatch_kl_k3', 0):.2e} "
-              f"lag {lags} waited {wait:.1f}s", flush=True)
-    save_checkpoint(model, run / "checkpoint", tokenizer_dir=start["checkpoint"])
-    client.close()
+@ray.remote
+class Trainer:
+    """Loads the start policy (and its frozen copy for the KL term), resumes from `<run dir>/state/`
+    on its own node when there is one, and publishes its version to the store if the store lacks it
+    (the first start, or a death between saving its state and publishing)."""
+
+    def __init__(self, cfg, start: dict, rl_dir: str):
+        from kiln.model.checkpoint import load_checkpoint
+        from kiln.pretrain.checkpointing import find_state, read_trainer_state
+
+        from .placement import pin_checked
+        from .store import WeightStore
+        from .trainer import RLTrainer
+
+        self.rl, self.run, self.where = cfg.rl, Path(rl_dir), cluster.here()
+        pin_checked("trainer_cpus", self.rl.trainer_cpus)
+        self.ckpt = start["checkpoint"].local()
+        model, _ = load_checkpoint(self.ckpt, with_mtp=False)
+        ref = copy.deepcopy(model) if self.rl.kl_coef > 0 else None  # the frozen start policy
+        state_dir, version, self.trained, self.last = find_state(self.run), 0, [], None
+        if state_dir is not None:  # resume: weights, optimizer, version, the groups already trained on
+            model, _ = load_checkpoint(state_dir, with_mtp=False)
+            st = read_trainer_state(state_dir)
+            version, self.trained, self.last = st["version"], st["trained"], st.get("metrics")
+        self.model, self.trainer = model, RLTrainer(model, self.rl, ref, version)
+        if state_dir is not None:
+            self.trainer.opt.load_state_dict(st["opt"])
+        self.store = WeightStore(start["store"], anchor_every=self.rl.anchor_every)
+        latest = self.store.latest()
+        if latest is None or latest < version:
+            self.store.publish(version, model.state_dict())
+        if self.last is not None:  # its state was saved before the publish that sized the delta
+            pub = self.store.size(version)
+            self.last.update(delta_fraction=pub["delta_fraction"], delta_bytes=pub["bytes_written"])
+        self.began = time.monotonic()
+
+    def ready(self) -> dict:
+        """Where it runs, its version, the groups its state holds as trained and that step's metrics."""
+        return {**self.where, "version": self.trainer.version, "trained": self.trained, "metrics": self.last}
+
+    def step(self, groups: list, wait_s: float, idle_s: float) -> tuple[dict, int]:
+        """One optimizer step on `groups` (rollout.Group); state saved, then published; -> the metrics
+        row and this process's pid (the driver notices a restart between calls by it)."""
+        from kiln.pretrain.checkpointing import save_state
+
+        m = self.trainer.step(groups)
+        self.trained += [g.id for g in groups]
+        lags = [self.trainer.version - 1 - g.started_version for g in groups]
+        row = {"step": self.trainer.version, **m, "wait_s": wait_s, "idle_s": idle_s,
+               "elapsed_s": time.monotonic() - self.began, "group_lag": lags, "groups": [g.id for g in groups],
+               "wall": time.time()}
+        save_state(self.run, self.model, None, Path(self.ckpt),
+                   {"opt": self.trainer.opt.state_dict(), "version": self.trainer.version, "trained": self.trained,
+                    "metrics": row})
+        pub = self.store.publish(self.trainer.version, {k: v.detach() for k, v in self.model.state_dict().items()})
+        row.update(delta_fraction=pub["delta_fraction"], delta_bytes=pub["bytes_written"])
+        self.store.gc()  # what no worker holds and no rebuild needs
+        self.last = row
+        return row, self.where["pid"]
+
+    def finish(self) -> str:
+        """The trained policy as a checkpoint under the run dir of this node; -> its path."""
+        from kiln.model.checkpoint import save_checkpoint
+
+        out = self.run / "checkpoint"
+        save_checkpoint(self.model, out, tokenizer_dir=self.ckpt)
+        return str(out)

@@ -1,9 +1,11 @@
-"""Where the RL processes run: the trainer and the rollout workers on disjoint CPU sets.
+"""Where the RL roles run on their node: the trainer and the rollout workers on disjoint CPU sets.
 
 The recipe trains and samples on separate hardware, so synchronous RL leaves one side idle while
 the other works and asynchrony reclaims it. Processes that share every core of one machine hide
 that: the OS hands an idle role's cores to the busy one. rl.trainer_cpus / rl.worker_cpus pin
 each role (its threads and every sandbox it starts inherit the mask); empty means all CPUs.
+Ray's CPU resource (rl.trainer_resources) only counts; this is what keeps roles off each other's
+cores. Each actor pins itself, so the ids are those of the node it runs on.
 """
 from __future__ import annotations
 
@@ -20,6 +22,15 @@ def check(trainer_cpus: list[int], worker_cpus: list[int]) -> None:
                              f"use ids from that list, or [] for all of them")
         if len(set(cpus)) != len(cpus):
             raise ValueError(f"rl.{key} lists a CPU twice: {cpus}")
+
+
+def pin_checked(key: str, cpus: list[int], threads: int | None = None) -> int:
+    """`pin`, after checking the ids against this node's CPUs (the error names the node)."""
+    try:
+        check(cpus if key == "trainer_cpus" else [], cpus if key == "worker_cpus" else [])
+    except ValueError as e:
+        raise ValueError(f"{e} (on {os.uname().nodename})") from None
+    return pin(cpus, threads)
 
 
 def pin(cpus: list[int], threads: int | None = None) -> int:

@@ -76,7 +76,25 @@ def run_group(task, group_id: int, cfg, runner, out_dir: str, seed: int) -> str:
     return path
 
 
-def load_group(path: str) -> Group:
+def keep_group(files: dict[str, dict], out_dir: str, group_id: int) -> str:
+    """Write a group a worker returned ({file name: JSON}) under out_dir, group.json last, pointing
+    at the trajectories' new paths; -> the path of its group.json."""
+    gdir = os.path.join(out_dir, f"{group_id:06d}")
+    os.makedirs(gdir, exist_ok=True)
+    group = files["group.json"]
+    names = [os.path.basename(p) for p in group["trajectories"]]
+    for name in names:
+        with open(os.path.join(gdir, name), "w") as f:
+            json.dump(files[name], f)
+    path = os.path.join(gdir, "group.json")
+    with open(path + ".tmp", "w") as f:
+        json.dump({**group, "trajectories": [os.path.join(gdir, n) for n in names]}, f)
+    os.replace(path + ".tmp", path)
+    return path
+
+
+def load_group(path: str, started_version: int = -1) -> Group:
     with open(path) as f:
         d = json.load(f)
-    return Group(d["id"], d["task_id"], d["kind"], [Trajectory.load(p) for p in d["trajectories"]], d["rewards"])
+    return Group(d["id"], d["task_id"], d["kind"], [Trajectory.load(p) for p in d["trajectories"]], d["rewards"],
+                 started_version)

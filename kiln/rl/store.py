@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import re
 import tempfile
@@ -240,6 +241,14 @@ class WeightStore:
         self._prev = (version, meta, bits)
         full = sum(a.nbytes for a in bits.values())
         return {"kind": man["kind"], "bytes_written": offset, "full_bytes": full, "delta_fraction": offset / max(full, 1)}
+
+    def size(self, version: int) -> dict:
+        """publish()'s figures for a stored version, from its manifest (bytes_written, full_bytes, delta_fraction)."""
+        tensors = self.manifest(version)["tensors"].values()
+        written = sum(t["length"] for t in tensors)
+        full = sum(math.prod(t["shape"]) * torch.empty(0, dtype=getattr(torch, t["dtype"])).element_size()
+                   for t in tensors)
+        return {"bytes_written": written, "full_bytes": full, "delta_fraction": written / max(full, 1)}
 
     def load(self, version: int, have: tuple[int, dict[str, torch.Tensor]] | None = None) -> dict[str, torch.Tensor]:
         """Rebuild `version`, verified, from `have` (a version the caller holds, older than `version`:

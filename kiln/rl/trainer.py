@@ -32,6 +32,7 @@ class Group:
     kind: str  # what upsampling groups prompts by (the task's category and difficulty)
     trajectories: list  # harness Trajectory objects with token data
     rewards: list[dict[str, float]]  # per rollout: reward axes from rewards.reward_axes
+    started_version: int = -1  # the weights version its worker was on when it started (the lag)
 
 
 def target_logp(model, batch: Batch, rows, temperature: float, replay: bool, replay_ratio: float):

@@ -1,88 +1,114 @@
-"""A rollout worker process: one engine, weights from the store swapped in mid-rollout, groups
-from the orchestrator.
+"""A rollout worker: a Ray actor with one engine, weights from the store swapped in mid-rollout,
+groups from the driver.
 
 A poller thread watches the weight store; a new version is rebuilt from the delta chain,
 verified, and handed to the engine, which applies it between two decoding steps: running
 sequences keep their KV cache and go on under the new version (each token records the version
 that produced it). A corrupt version is never loaded; the worker keeps decoding with what it has.
+
+`rollout` runs in the actor's default concurrency group (one group at a time); `ready`, `version`
+and `close` in a "control" group of their own, so a health check never queues behind a long
+rollout. A group's files are written to a folder of this node and returned whole: the driver
+keeps them (no shared filesystem).
 """
 from __future__ import annotations
 
+import json
 import os
+import shutil
 import sys
+import tempfile
 import threading
 import time
+
+import ray
+
+from kiln import cluster
 
 POLL_S = 0.1
 
 
-def worker_main(cfg_path: str, rl_dir: str, worker_id: int, address, authkey: bytes) -> None:
-    from kiln.config import load_config
-    from kiln.engine import Engine
-    from kiln.engine.runner import EngineRunner
-    from kiln.model.checkpoint import load_checkpoint
-    from kiln.model.tokenizer import load_tokenizer
-    from kiln.tasks.record import load_suite
+@ray.remote(concurrency_groups={"control": 2})
+class RolloutWorker:
+    def __init__(self, cfg, start: dict, worker_id: int):
+        from kiln.engine import Engine
+        from kiln.engine.runner import EngineRunner
+        from kiln.model.checkpoint import load_checkpoint
+        from kiln.model.tokenizer import load_tokenizer
+        from kiln.tasks.record import load_suite
 
-    from .placement import pin
-    from .rollout import run_group
-    from .rpc import RpcClient
-    from .store import WeightStore, WeightSubscriber
+        from .placement import pin_checked
+        from .store import WeightStore, WeightSubscriber
 
-    cfg = load_config(cfg_path)
-    rl = cfg.rl
-    pin(rl.worker_cpus, threads=1)  # one thread each: workers share their cores with each other
-    name = f"worker-{worker_id}.{os.getpid()}"  # per incarnation: a restarted worker is a new one
-    client = RpcClient(address, authkey, name, rl.timeout_s)
-    start = client.call("start_info")
-    model, _ = load_checkpoint(start["checkpoint"], with_mtp=False)
-    tok = load_tokenizer(start["checkpoint"])
-    sub = WeightSubscriber(WeightStore(start["store"], anchor_every=rl.anchor_every), name)
-    got, deadline = None, time.monotonic() + rl.timeout_s
-    while got is None:  # the trainer publishes version 0 when it starts
-        got = sub.poll()
-        if got is None:
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"no weights appeared in the store {start['store']} within {rl.timeout_s} s")
-            time.sleep(POLL_S)
-    model.load_state_dict(got[1])
-    max_len = min(cfg.model.context, model.config.max_position_embeddings)
-    # Prefix reuse: one kept conversation per rollout of a group, as many again for the system
-    # prompt that every task's rollouts start with.
-    engine = Engine(model, tok, max_batch=rl.group_size, max_len=max_len, version=got[0],
-                    prefix_slots=2 * rl.group_size)
-    runner = EngineRunner(engine)
-    runner.start()
-    stop = threading.Event()
+        self.cfg, rl = cfg, cfg.rl
+        pin_checked("worker_cpus", rl.worker_cpus, threads=1)  # one thread each: workers share their cores
+        self.where = cluster.here()
+        # Per incarnation: a restarted worker is a new consumer of the store and a new owner of groups.
+        self.name = f"worker-{worker_id}.{self.where['node_id'][:8]}.{os.getpid()}"
+        ckpt = start["checkpoint"].local()
+        model, _ = load_checkpoint(ckpt, with_mtp=False)
+        tok = load_tokenizer(ckpt)
+        self.sub = WeightSubscriber(WeightStore(start["store"], anchor_every=rl.anchor_every), self.name)
+        got, deadline = None, time.monotonic() + rl.timeout_s
+        while got is None:  # the trainer publishes version 0 when it starts
+            got = self.sub.poll()
+            if got is None:
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"{self.name}: no weights appeared in the store {start['store']} "
+                                       f"within {rl.timeout_s} s")
+                time.sleep(POLL_S)
+        model.load_state_dict(got[1])
+        max_len = min(cfg.model.context, model.config.max_position_embeddings)
+        # Prefix reuse: one kept conversation per rollout of a group, as many again for the system
+        # prompt that every task's rollouts start with.
+        self.engine = Engine(model, tok, max_batch=rl.group_size, max_len=max_len, version=got[0],
+                             prefix_slots=2 * rl.group_size)
+        self.runner = EngineRunner(self.engine)
+        self.runner.start()
+        self.stop = threading.Event()
+        self.poller = threading.Thread(target=self._poll_weights, name="weights", daemon=True)
+        self.poller.start()
+        self.tasks = {t.id: t for t in load_suite(start["tasks"].local())}
 
-    def poll_weights() -> None:
-        while not stop.wait(POLL_S):
+    def _poll_weights(self) -> None:
+        while not self.stop.wait(POLL_S):
             try:
-                new = sub.poll()
+                new = self.sub.poll()
             except Exception as e:  # noqa: BLE001 - corrupt, pruned or unreachable: keep decoding, try again
-                print(f"{name}: {type(e).__name__}: {e}; keeping version {engine.version}", file=sys.stderr)
+                print(f"{self.name}: {type(e).__name__}: {e}; keeping version {self.engine.version}", file=sys.stderr)
                 time.sleep(1.0)
                 continue
             if new is not None:
-                engine.update_weights(new[1], new[0])
+                self.engine.update_weights(new[1], new[0])
 
-    poller = threading.Thread(target=poll_weights, name="weights", daemon=True)
-    poller.start()
-    tasks = {t.id: t for t in load_suite(start["tasks"])}
-    out = os.path.join(rl_dir, "groups")
-    try:
-        while True:
-            job = client.call("next_job", worker=name, version=engine.version)
-            if job is None:
-                time.sleep(POLL_S)
-                continue
-            if job.get("stop"):
-                return
-            path = run_group(tasks[job["task_id"]], job["group"], cfg, runner, out, seed=cfg.run.seed + job["group"])
-            client.call("submit", worker=name, group=job["group"], path=path)
-    finally:
-        stop.set()
-        # Not left to die at exit inside a torch op (which aborts the process: "terminate called").
-        poller.join(timeout=30)
-        runner.close()
-        client.close()
+    @ray.method(concurrency_group="control")
+    def ready(self) -> dict:
+        return {**self.where, "name": self.name, "version": self.engine.version}
+
+    @ray.method(concurrency_group="control")
+    def version(self) -> int:
+        return self.engine.version
+
+    def rollout(self, job: dict) -> dict:
+        """Roll out one group; -> its files ({name: JSON}) and the version the engine is on now."""
+        from .rollout import run_group
+
+        out = tempfile.mkdtemp(prefix="kiln-group-")
+        try:
+            path = run_group(self.tasks[job["task_id"]], job["group"], self.cfg, self.runner, out,
+                             seed=self.cfg.run.seed + job["group"])
+            gdir = os.path.dirname(path)
+            files = {}
+            for name in os.listdir(gdir):
+                with open(os.path.join(gdir, name)) as f:
+                    files[name] = json.load(f)
+            return {"name": self.name, "version": self.engine.version, "files": files}
+        finally:
+            shutil.rmtree(out, ignore_errors=True)
+
+    @ray.method(concurrency_group="control")
+    def close(self) -> None:
+        """Stop the poller and the engine, so the process is not killed inside a torch op."""
+        self.stop.set()
+        self.poller.join(timeout=30)
+        self.runner.close()

@@ -1,0 +1,144 @@
+"""`kiln rl` on Ray, end to end on a tiny real checkpoint: the trainer and the rollout workers as
+actors on the session's two-node Ray (tests/conftest.py), groups from sandbox forks, weights
+through the store; a worker's process SIGKILLed and the trainer ray.kill-ed mid-run; the roles on
+the nodes their resources name, with the weights through s3:// (moto's server on loopback)."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from kiln.config import load_config
+from kiln.harness.trajectory import Trajectory
+from kiln.rl.launcher import RLError, actor_name, run_rl
+from kiln.rl.store import WeightStore
+
+# Ray's start-up (once per pytest run) lands in whichever test uses it first.
+pytestmark = pytest.mark.timeout(600)
+
+
+def _cfg(tmp_path, *extra, **rl):
+    over = {"tasks": 6, "steps": 2, "groups_per_step": 1, "group_size": 2, "workers": 2, "max_lag": 1,
+            "timeout_s": 240, "lr": 1e-3, **rl}
+    return load_config(None, [f"sandbox.state_dir={tmp_path / 'sb'}", "harness.max_turns=2",
+                              "harness.max_turn_tokens=8", *(f"rl.{k}={v}" for k, v in over.items()), *extra])
+
+
+def _trained(rl_dir):
+    state = json.loads((rl_dir / "orchestrator.json").read_text())
+    return [g for g in state["groups"].values() if g["status"] == "trained"]
+
+
+def test_rl_runs_trains_publishes_and_never_repeats_a_prompt(tmp_path, tiny_checkpoint, ray_cluster):
+    rl_dir = tmp_path / "rl"
+    cpus = sorted(os.sched_getaffinity(0))  # the trainer and the workers pinned apart (rl/placement.py)
+    s = run_rl(_cfg(tmp_path, trainer_cpus=cpus[:1], worker_cpus=cpus[-1:]), str(tiny_checkpoint), str(rl_dir),
+               progress=False)
+    rows = s["metrics"]
+    assert [r["step"] for r in rows] == [1, 2]
+    assert all(max(r["group_lag"]) <= 1 for r in rows)  # admission bounds staleness
+    assert WeightStore(str(rl_dir / "weights")).versions()[-1] == 2
+    trained = _trained(rl_dir)
+    assert len(trained) == 2 and len({g["task_id"] for g in trained}) == 2
+    with open(trained[0]["path"]) as f:  # the driver keeps each group the workers sent back
+        traj = Trajectory.load(json.load(f)["trajectories"][0])
+    assert traj.turns and traj.turns[0].versions and traj.turns[0].routes  # the sampler's token data
+    assert set(traj.rewards) >= {"correctness", "length"}
+    assert (rl_dir / "checkpoint" / "model.safetensors").exists()
+    assert rows[-1]["delta_fraction"] > 0 and "mismatch_kl_k3" in rows[-1]
+    held = [json.loads(p.read_text())["version"] for p in (rl_dir / "weights" / "consumers").glob("*.json")]
+    assert max(held) >= 1  # workers rebuilt and verified a published delta
+    assert s["restarts"] == {"trainer": 0, "worker-0": 0, "worker-1": 0}
+
+
+def test_a_role_no_node_can_hold_is_refused_at_once(tmp_path, tiny_checkpoint, ray_cluster):
+    t = time.monotonic()
+    with pytest.raises(RLError, match=r"no node can run the rollout worker \(rl.worker_resources = \{'GPU': 1.0\}\)"):
+        run_rl(_cfg(tmp_path, "rl.worker_resources={GPU=1}"), str(tiny_checkpoint), str(tmp_path / "rl"),
+               progress=False)
+    assert time.monotonic() - t < 30  # not left pending until rl.timeout_s
+    assert not (tmp_path / "rl").exists()  # refused before any task was made
+
+
+def _pid_of_running_worker(rl_dir) -> int | None:
+    """The process of a worker that is rolling out a group, from the orchestrator's state."""
+    path = rl_dir / "orchestrator.json"
+    if not path.exists():
+        return None
+    running = [g for g in json.loads(path.read_text())["groups"].values() if g["status"] == "running"]
+    return int(running[0]["worker"].rsplit(".", 1)[1]) if running else None
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("victim", ["worker", "trainer"])
+def test_a_role_killed_mid_run_is_restarted_and_nothing_is_lost_or_repeated(tmp_path, tiny_checkpoint, victim,
+                                                                            ray_cluster):
+    """A worker's process gets SIGKILL while it rolls out a group; the trainer is ray.kill-ed (restart
+    allowed) once it has trained a step. The run completes with every prompt trained exactly once."""
+    import ray
+
+    rl_dir = tmp_path / "rl"
+    out: dict = {}
+    t = threading.Thread(target=lambda: out.update(run_rl(_cfg(tmp_path, steps=3), str(tiny_checkpoint),
+                                                          str(rl_dir), progress=False)))
+    t.start()
+    deadline, killed = time.monotonic() + 240, None
+    while killed is None and time.monotonic() < deadline and t.is_alive():
+        time.sleep(0.2)
+        if victim == "worker":
+            pid = _pid_of_running_worker(rl_dir)
+            if pid is not None:
+                os.kill(pid, signal.SIGKILL)
+                killed = pid
+        elif (rl_dir / "metrics.jsonl").exists() and (rl_dir / "metrics.jsonl").read_text().strip():
+            ray.kill(ray.get_actor(actor_name("trainer", rl_dir)), no_restart=False)
+            killed = "trainer"
+    t.join(300)
+    assert killed, "never found the role to kill"
+    assert out, "the run did not finish"
+    assert sum(out["restarts"].values()) >= 1 and (victim == "worker" or out["restarts"]["trainer"] >= 1)
+    assert [r["step"] for r in out["metrics"]] == [1, 2, 3]
+    trained = _trained(rl_dir)
+    assert len(trained) == 3 and len({g["task_id"] for g in trained}) == 3  # none twice, none lost
+    ids = [i for r in out["metrics"] for i in r["groups"]]
+    assert len(ids) == len(set(ids)) == 3
+
+
+@pytest.fixture(scope="module")
+def s3_store(s3_endpoint):
+    """The variables every role needs to reach moto's server (they go to the actors through the
+    job's runtime_env, as a cluster's nodes would have them set)."""
+    return {"AWS_ENDPOINT_URL": s3_endpoint, "AWS_ACCESS_KEY_ID": "test", "AWS_SECRET_ACCESS_KEY": "test",
+            "AWS_DEFAULT_REGION": "us-east-1"}
+
+
+def test_roles_run_on_the_nodes_their_resources_name_and_weights_travel_through_s3(
+        tmp_path, tiny_checkpoint, ray_cluster, s3_store, monkeypatch):
+    import ray
+
+    for k, v in s3_store.items():
+        monkeypatch.setenv(k, v)
+    ray.shutdown()  # the same cluster, with the S3 variables in every actor's environment
+    ray.init(address=ray_cluster.address, runtime_env={"env_vars": s3_store})
+    try:
+        s = run_rl(_cfg(tmp_path, "rl.trainer_resources={CPU=1, trainer_node=1}",
+                        "rl.worker_resources={CPU=0.5, rollout_node=1}", steps=1, store="s3://kiln/multi-node"),
+                   str(tiny_checkpoint), str(tmp_path / "rl"), progress=False)
+        nodes = {n["NodeID"]: n["Resources"] for n in ray.nodes() if n["Alive"]}
+    finally:
+        ray.shutdown()
+        ray.init(address=ray_cluster.address)
+    assert [r["step"] for r in s["metrics"]] == [1]
+    assert "trainer_node" in nodes[s["nodes"]["trainer"]]
+    assert all("rollout_node" in nodes[s["nodes"][w]] for w in ("worker-0", "worker-1"))
+    assert s["nodes"]["trainer"] != s["nodes"]["worker-0"]
+    store = WeightStore("s3://kiln/multi-node")
+    assert store.versions()[-1] == 1 and not (tmp_path / "rl" / "weights").exists()
+    held = [json.loads(store.backend.get(k))["version"] for k in store.backend.list("consumers/")]
+    assert len(held) == 2  # both workers took their weights from S3
+    assert any(Path(os.environ["KILN_SHIP_CACHE"]).iterdir())  # the task suite and checkpoint went by Ray
