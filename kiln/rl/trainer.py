@@ -99,11 +99,17 @@ class RLTrainer:
             loss_sum += float(loss.detach())
             replaced += r
             trainer_lp[rows] = lp.detach()
+        measured = trained.clone()
+        if not trained.any() and n_rows:  # nothing to train: the mismatch is still measured, on the shortest rows
+            rows = _chunks(n_rows)[0]
+            with torch.no_grad():
+                trainer_lp[rows] = target_logp(self.model, batch, rows, rl.temperature, True, rl.replay_ratio)[0]
+            measured[rows] = True
         grad_norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), rl.grad_clip or math.inf))
         self.opt.step()
         self.version += 1
         return {"version": self.version, "loss": loss_sum, "grad_norm": grad_norm, "replaced_experts": replaced,
-                **_mismatch(trainer_lp, batch, trained), **_reward_metrics(groups, reward, kl),
+                **_mismatch(trainer_lp, batch, measured), **_reward_metrics(groups, reward, kl),
                 **_tokens(trajs), "lag": _lag(batch, self.version - 1),
                 "groups_mixed": len(groups) - len(set(gid[uniform].tolist())), "train_tokens": int(n_tokens),
                 "trained_rows": int(trained.sum()), "step_s": time.monotonic() - t0,

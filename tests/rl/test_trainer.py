@@ -126,6 +126,7 @@ def test_mixed_groups_only_leaves_a_group_without_a_solve_untrained(setup, mixed
     assert moved is not mixed_only
     assert m["groups_mixed"] == 0
     assert m["trained_rows"] == (0 if mixed_only else 2)  # rows whose advantage is 0 are not run
+    assert m["mismatch_kl_k3"] < 1e-6  # measured on rows it did not train, too
 
 
 @pytest.mark.parametrize("positive_only", [False, True])
