@@ -217,11 +217,17 @@ def bench(suite: Annotated[Optional[str], typer.Option("--suite", help="Suite fo
           passes: Annotated[Optional[int], typer.Option("--passes", help="Passes per task (bench.passes).")] = None,
           workers: Annotated[Optional[int], typer.Option("--workers", help="Parallel rollouts (bench.workers).")] = None,
           out: Annotated[Optional[str], typer.Option("--out", help="Output folder (bench.out_dir).")] = None,
+          use_ray: Annotated[bool, typer.Option("--ray", help="Rollouts as Ray tasks across the cluster (bench.ray): "
+                                                "a local Ray, or the one at --address / $RAY_ADDRESS.")] = False,
+          address: Annotated[Optional[str], typer.Option("--address", help="A Ray cluster to run on (ray.address), "
+                                                         "e.g. head-node:6379; implies --ray.")] = None,
           overrides: Overrides = None, config: ConfigOpt = None, dry_run: DryRun = False):
     """Run a suite with a policy over several passes; resumable; writes results, summary, report and plots."""
     flags = {"suite": suite, "policy": policy, "passes": passes, "workers": workers, "out_dir": out}
     extra = [f"bench.{k}={v}" if not isinstance(v, str) else f'bench.{k}="{v}"' for k, v in flags.items() if v is not None]
     extra += [f"policy.checkpoint={checkpoint}"] if checkpoint is not None else []  # a str field: kept as typed
+    extra += ["bench.ray=true"] if use_ray or address else []
+    extra += [f'ray.address="{address}"'] if address else []
     cfg = resolve(config, extra + (overrides or []), dry_run)
     b = cfg.bench
     if not b.suite:

@@ -1,7 +1,7 @@
 """Ray for kiln: a light local Ray by default, a cluster by address, and folders carried to nodes.
 
 - `connect(ray_cfg)`: attach to `ray.address`, else `$RAY_ADDRESS`, else start a local Ray
-  (no dashboard, a small object store, on loopback). A Ray already initialised in this process is
+  (no dashboard, a small object store, on loopback, workers not reniced). A Ray already initialised in this process is
   used as it is. Returns True when the caller started or attached it and so must shut it down.
 - `ray_options(resources)`: a config's `{"CPU": 1, "GPU": 1, "memory": ..., "custom": 2}` as
   `.options()` keywords; `check_fits` refuses a request no cluster node could ever meet, at once,
@@ -44,13 +44,22 @@ def connect(ray_cfg, min_cpus: float = 0) -> bool:
             ray.init(address=address, log_to_driver=True, configure_logging=False)
         else:
             ncpu = ray_cfg.num_cpus or max(len(os.sched_getaffinity(0)), int(-(-min_cpus // 1)))
-            # A one-machine Ray binds to loopback only (Ray picks the host's routable address otherwise).
-            old = os.environ.get("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER")
+            # A one-machine Ray binds to loopback only. Ray takes the host's routable address unless
+            # multi-node clusters are off (the mode it uses on macOS and Windows), a flag it reads once,
+            # at import: the variable is for the processes it starts, the constant for this one.
+            from ray._private import ray_constants
+
+            old, old_flag = os.environ.get("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"), ray_constants.ENABLE_RAY_CLUSTER
             os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
+            ray_constants.ENABLE_RAY_CLUSTER = False
             try:
+                # worker_niceness 0: Ray renices its workers by +15 by default, and here the workers are
+                # the run itself (measured: an actor at nice 19 did not finish loading in 4 minutes on a
+                # busy 2-core machine); they keep the priority kiln was started with, as processes did.
                 ray.init(num_cpus=ncpu, include_dashboard=False, object_store_memory=ray_cfg.object_store_mb << 20,
-                         log_to_driver=True, configure_logging=False)
+                         log_to_driver=True, configure_logging=False, _system_config={"worker_niceness": 0})
             finally:
+                ray_constants.ENABLE_RAY_CLUSTER = old_flag
                 if old is None:
                     os.environ.pop("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", None)
                 else:

@@ -6,6 +6,9 @@ results.jsonl (see results.py); restarting with the same out_dir skips those and
 what never finished. Rollouts that raise (endpoint down, sandbox failure) are logged to
 errors.jsonl and retried by the next run; several in a row abort the run.
 
+With `use_ray` (`kiln bench --ray`, bench.ray) each rollout is a Ray task instead of a thread
+(on_ray.py): the same rows, the same resume.
+
 The local policy (a kiln checkpoint) loads the checkpoint once: one engine, stepped by one
 EngineRunner thread, decodes the turns of every rollout in flight together (continuous batching),
 each rollout talking to it through its own LocalPolicy.
@@ -148,15 +151,21 @@ def _check_policy(policy_name: str, tasks: list[Task], config) -> None:
 
 
 def run_bench(suite_dir: str, policy_name: str, passes: int = 1, workers: int = 1, out_dir: str = "bench",
-              config=None, progress: bool = True) -> dict:
+              config=None, progress: bool = True, use_ray: bool | None = None) -> dict:
     """Run every task of the suite `passes` times with `policy_name`; write results.jsonl,
-    trajectories/, summary.json, report.md and plots under out_dir; return the summary."""
+    trajectories/, summary.json, report.md and plots under out_dir; return the summary.
+    `use_ray` (default: config.bench.ray): rollouts as Ray tasks on `config.ray`'s cluster."""
     from kiln.config import Config
     config = config or Config()
+    use_ray = config.bench.ray if use_ray is None else use_ray
     if passes < 1 or workers < 1:
         raise ValueError(f"passes ({passes}) and workers ({workers}) must be >= 1")
     tasks = load_suite(suite_dir)
     _check_policy(policy_name, tasks, config)
+    if use_ray and policy_name == "local":
+        raise BenchError("the local policy does not run on Ray yet (its one engine batches every rollout in this "
+                         "process): run without --ray, or serve the checkpoint (`kiln serve`) and bench the "
+                         "openai policy on Ray")
     try:
         os.makedirs(os.path.join(out_dir, "trajectories"), exist_ok=True)
     except OSError as e:  # a path that cannot be a folder: the user's out_dir
@@ -183,8 +192,22 @@ def run_bench(suite_dir: str, policy_name: str, passes: int = 1, workers: int = 
 
     bar = tqdm(total=len(wanted), initial=skipped, unit="rollout",
                desc=f"bench {policy_name}", disable=not progress, dynamic_ncols=True)
-    ex = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="bench")
-    futures = {ex.submit(one, t, p): (t, p) for t, p in todo}
+    started_ray = False
+    if use_ray and todo:
+        from kiln import cluster
+
+        from .on_ray import RayRollouts
+        try:
+            started_ray = cluster.connect(config.ray, min_cpus=config.bench.rollout_resources.get("CPU", 0))
+            cluster.check_fits("bench rollout", "bench.rollout_resources", config.bench.rollout_resources)
+        except cluster.ClusterError as e:
+            log.close()
+            raise BenchError(str(e)) from None
+        ex = RayRollouts(policy_name, config, out_dir)
+        futures = {ex.submit(t, p): (t, p) for t, p in todo}
+    else:
+        ex = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="bench")
+        futures = {ex.submit(one, t, p): (t, p) for t, p in todo}
     pending = set(futures)
     try:
         while pending:
@@ -212,6 +235,9 @@ def run_bench(suite_dir: str, policy_name: str, passes: int = 1, workers: int = 
         raise
     finally:
         ex.shutdown(wait=True)  # rollouts still running finish on the engine before it stops
+        if started_ray:
+            import ray
+            ray.shutdown()
         if runner is not None:
             runner.close()
         bar.close()
