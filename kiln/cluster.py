@@ -56,7 +56,8 @@ def connect(ray_cfg, min_cpus: float = 0) -> bool:
                 # worker_niceness 0: Ray renices its workers by +15 by default, and here the workers are
                 # the run itself (measured: an actor at nice 19 did not finish loading in 4 minutes on a
                 # busy 2-core machine); they keep the priority kiln was started with, as processes did.
-                ray.init(num_cpus=ncpu, include_dashboard=False, object_store_memory=ray_cfg.object_store_mb << 20,
+                # address="local": a Ray of its own even when another runs here (attach with ray.address=auto).
+                ray.init(address="local", num_cpus=ncpu, include_dashboard=False, object_store_memory=ray_cfg.object_store_mb << 20,
                          log_to_driver=True, configure_logging=False, _system_config={"worker_niceness": 0})
             finally:
                 ray_constants.ENABLE_RAY_CLUSTER = old_flag

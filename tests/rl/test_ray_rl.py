@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import threading
 import time
@@ -15,7 +16,7 @@ import pytest
 
 from kiln.config import load_config
 from kiln.harness.trajectory import Trajectory
-from kiln.rl.launcher import RLError, actor_name, run_rl
+from kiln.rl.launcher import RLError, actor_name, prepare_tasks, run_rl
 from kiln.rl.store import WeightStore
 
 # Ray's start-up (once per pytest run) lands in whichever test uses it first.
@@ -29,13 +30,24 @@ def _cfg(tmp_path, *extra, **rl):
                               "harness.max_turn_tokens=8", *(f"rl.{k}={v}" for k, v in over.items()), *extra])
 
 
+@pytest.fixture(scope="module")
+def rl_dirs(tmp_path_factory):
+    """A fresh run dir per call, holding the module's six toy prompts (made once: they take a while)."""
+    tasks = prepare_tasks(_cfg(tmp_path_factory.mktemp("made")), tmp_path_factory.mktemp("tasks"), progress=False)
+
+    def make(tmp_path):
+        shutil.copytree(tasks, tmp_path / "rl" / "tasks")
+        return tmp_path / "rl"
+    return make
+
+
 def _trained(rl_dir):
     state = json.loads((rl_dir / "orchestrator.json").read_text())
     return [g for g in state["groups"].values() if g["status"] == "trained"]
 
 
-def test_rl_runs_trains_publishes_and_never_repeats_a_prompt(tmp_path, tiny_checkpoint, ray_cluster):
-    rl_dir = tmp_path / "rl"
+def test_rl_runs_trains_publishes_and_never_repeats_a_prompt(tmp_path, tiny_checkpoint, ray_cluster, rl_dirs):
+    rl_dir = rl_dirs(tmp_path)
     cpus = sorted(os.sched_getaffinity(0))  # the trainer and the workers pinned apart (rl/placement.py)
     s = run_rl(_cfg(tmp_path, trainer_cpus=cpus[:1], worker_cpus=cpus[-1:]), str(tiny_checkpoint), str(rl_dir),
                progress=False)
@@ -77,12 +89,12 @@ def _pid_of_running_worker(rl_dir) -> int | None:
 @pytest.mark.slow
 @pytest.mark.parametrize("victim", ["worker", "trainer"])
 def test_a_role_killed_mid_run_is_restarted_and_nothing_is_lost_or_repeated(tmp_path, tiny_checkpoint, victim,
-                                                                            ray_cluster):
+                                                                            ray_cluster, rl_dirs):
     """A worker's process gets SIGKILL while it rolls out a group; the trainer is ray.kill-ed (restart
     allowed) once it has trained a step. The run completes with every prompt trained exactly once."""
     import ray
 
-    rl_dir = tmp_path / "rl"
+    rl_dir = rl_dirs(tmp_path)
     out: dict = {}
     t = threading.Thread(target=lambda: out.update(run_rl(_cfg(tmp_path, steps=3), str(tiny_checkpoint),
                                                           str(rl_dir), progress=False)))
@@ -118,9 +130,10 @@ def s3_store(s3_endpoint):
 
 
 def test_roles_run_on_the_nodes_their_resources_name_and_weights_travel_through_s3(
-        tmp_path, tiny_checkpoint, ray_cluster, s3_store, monkeypatch):
+        tmp_path, tiny_checkpoint, ray_cluster, s3_store, monkeypatch, rl_dirs):
     import ray
 
+    rl_dir = rl_dirs(tmp_path)
     for k, v in s3_store.items():
         monkeypatch.setenv(k, v)
     ray.shutdown()  # the same cluster, with the S3 variables in every actor's environment
@@ -128,7 +141,7 @@ def test_roles_run_on_the_nodes_their_resources_name_and_weights_travel_through_
     try:
         s = run_rl(_cfg(tmp_path, "rl.trainer_resources={CPU=1, trainer_node=1}",
                         "rl.worker_resources={CPU=0.5, rollout_node=1}", steps=1, store="s3://kiln/multi-node"),
-                   str(tiny_checkpoint), str(tmp_path / "rl"), progress=False)
+                   str(tiny_checkpoint), str(rl_dir), progress=False)
         nodes = {n["NodeID"]: n["Resources"] for n in ray.nodes() if n["Alive"]}
     finally:
         ray.shutdown()
@@ -138,7 +151,7 @@ def test_roles_run_on_the_nodes_their_resources_name_and_weights_travel_through_
     assert all("rollout_node" in nodes[s["nodes"][w]] for w in ("worker-0", "worker-1"))
     assert s["nodes"]["trainer"] != s["nodes"]["worker-0"]
     store = WeightStore("s3://kiln/multi-node")
-    assert store.versions()[-1] == 1 and not (tmp_path / "rl" / "weights").exists()
+    assert store.versions()[-1] == 1 and not (rl_dir / "weights").exists()
     held = [json.loads(store.backend.get(k))["version"] for k in store.backend.list("consumers/")]
     assert len(held) == 2  # both workers took their weights from S3
     assert any(Path(os.environ["KILN_SHIP_CACHE"]).iterdir())  # the task suite and checkpoint went by Ray
