@@ -24,17 +24,11 @@ def train(out: Annotated[str, typer.Option("--out", help="Folder to write the to
     from kiln.model.tokenizer import (
         bytes_per_token,
         iter_corpus,
-        list_corpus_files,
         train_tokenizer,
     )
     # The stdlib is source code that exists on every machine, offline: a corpus that always works.
     roots = corpus or [sysconfig.get_paths()["stdlib"]]
-    try:
-        files = list_corpus_files(Path(r) for r in roots)
-    except FileNotFoundError as e:
-        fail(str(e))
-    if not files:
-        fail(f"no corpus files under {', '.join(roots)} (folders are searched for source and text files)")
+    files = _corpus_files(roots)
     make_out(out)
     try:
         result = train_tokenizer(files, Path(out), vocab, int(max_mb * 1e6), progress=True)
@@ -205,15 +199,9 @@ def trim_vocab_cmd(
     """Keep only the tokens CORPUS uses (plus special tokens and the byte alphabet): the embedding,
     the output head and the tokenizer shrink; text made of kept tokens gives the same logits."""
     from kiln.model.checkpoint import CheckpointError
-    from kiln.model.tokenizer import list_corpus_files
     from kiln.model.trim_vocab import TrimError, trim_checkpoint
 
-    try:
-        files = list_corpus_files(Path(c) for c in corpus)
-    except FileNotFoundError as e:
-        fail(str(e))
-    if not files:
-        fail(f"no corpus files under {', '.join(corpus)} (folders are searched for source and text files)")
+    files = _corpus_files(corpus)
     make_out(out)
     try:
         r = trim_checkpoint(checkpoint, files, out, None if max_mb is None else int(max_mb * 1e6))
@@ -221,3 +209,15 @@ def trim_vocab_cmd(
         fail(str(e))
     typer.echo(f"{checkpoint} -> {out}: kept {r.kept} of {r.before} tokens ({r.kept / r.before:.1%}); "
                f"the corpus ({r.corpus_bytes / 1e6:.1f} MB) used {r.corpus_tokens}")
+
+
+def _corpus_files(roots: list[str]) -> list:
+    """The source and text files under `roots`, or an error line when there are none."""
+    from kiln.model.tokenizer import list_corpus_files
+    try:
+        files = list_corpus_files(Path(r) for r in roots)
+    except FileNotFoundError as e:
+        fail(str(e))
+    if not files:
+        fail(f"no corpus files under {', '.join(roots)} (folders are searched for source and text files)")
+    return files
