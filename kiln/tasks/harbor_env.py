@@ -147,6 +147,13 @@ def sandbox_config(task: Task, cfg):
     return cfg.model_copy(update=update) if update else cfg
 
 
+def environment_config(task: Task, env: dict, cfg):
+    """`cfg` over a task's built environment (env_build.Environment.to_dict()): its layers as the
+    root, its user, its WORKDIR as the workspace and its ENV."""
+    return cfg.model_copy(update={"rootfs": built_root(task, env, cfg), "uid": env["uid"], "gid": env["gid"],
+                                  "workdir": env["workdir"], "env": {**cfg.env, **env["env"]}})
+
+
 def built_root(task: Task, env: dict, cfg) -> list[str]:
     """The layer trees of a task's built environment, which must be in this machine's cache."""
     from .env_base import cache_dir, have_layer, layer_tree

@@ -86,15 +86,18 @@ class Task:
 
     def sandbox_config(self, cfg):
         """The sandbox config this task runs in: `cfg` plus what the task's own environment sets (an
-        imported Harbor task's WORKDIR as the workspace, its env). Every sandbox made for a task
+        imported Harbor task's WORKDIR as the workspace, its env; a SWE-bench task's built environment,
+        its workspace at /testbed). Every sandbox made for a task
         (validation, bench, RL) is created with it; grading forks those, so it follows.
 
         The test command's leading assignments (`PYTEST_DISABLE_PLUGIN_AUTOLOAD=1 python -m pytest`)
         are the task's environment too, so the agent's own `python -m pytest` runs as the grader's
         does: without the plugins of kiln's interpreter (hypothesis alone costs 2 s a run)."""
-        from .harbor_env import sandbox_config
+        from .harbor_env import environment_config, sandbox_config
         from .testrun import leading_env
         cfg = sandbox_config(self, cfg)
+        if self.provenance.get("environment"):  # a SWE-bench task's own environment (swebench_env.py)
+            cfg = environment_config(self, self.provenance["environment"], cfg)
         env = {k: v for k, v in leading_env(self.test_command).items() if k not in cfg.env}
         return cfg.model_copy(update={"env": {**cfg.env, **env}}) if env else cfg
 

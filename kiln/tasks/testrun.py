@@ -25,6 +25,7 @@ class TestRun:
     timed_out: bool = False
     duration_s: float = 0.0
     log: str = ""
+    problems: list[str] = field(default_factory=list)  # why tests could not run as written (run_problems)
 
     def passed(self, test_id: str) -> bool:
         return self.statuses.get(test_id) in (PASSED, XFAIL)
@@ -47,6 +48,47 @@ def parse_pytest(log: str) -> dict[str, str]:
             summary[m["id"]] = m["st"]
     out.update(summary)
     return out
+
+
+_E_LINE = re.compile(r"^E +(\S.*?)\s*$")
+_CONFTEST = re.compile(r"^ImportError while loading conftest '(?P<path>.+)'\.\s*$")
+_COLLECTING = re.compile(r"^_+ ERROR collecting (?P<path>\S+) _+\s*$")
+_SECTION = re.compile(r"^(?:_{3,}|={3,}) ")
+
+
+def run_problems(log: str, exit_code: int = 0, limit: int = 8) -> list[str]:
+    """Why the tests could not run as the task wrote them, one line each: a conftest that does not
+    import, a test module that does not import (pytest's `ERROR collecting` sections), or pytest
+    itself dying before any test ran (exit 3 or 4, or a traceback: a plugin or hook signature the
+    installed pytest rejects). These are what an environment without the repository's own
+    dependencies looks like, so a validation that finds no fail-to-pass test names them."""
+    lines = log.splitlines()
+    out: list[str] = []
+
+    def errors(start: int) -> str:
+        found = []
+        for line in lines[start:start + 200]:
+            if _SECTION.match(line):
+                break
+            m = _E_LINE.match(line)
+            if m:
+                found.append(m[1])
+        return " ".join(found[-3:]) or "(no error line)"
+    for i, line in enumerate(lines):
+        m = _CONFTEST.match(line)
+        if m:
+            out.append(f"conftest {m['path']} does not import: {errors(i + 1)}")
+            continue
+        m = _COLLECTING.match(line)
+        if m:
+            out.append(f"collecting {m['path']}: {errors(i + 1)}")
+    if not out and (exit_code in (3, 4) or "Traceback (most recent call last)" in log) and \
+            not any(_VERBOSE.match(x) for x in lines):
+        tail = [x.strip() for x in lines if x.strip() and not x[0].isspace()  # not the traceback's code
+                and not x.startswith("Traceback (")][-4:]
+        out.append(f"pytest stopped before running any test (exit {exit_code}): " + " | ".join(tail))
+    seen = list(dict.fromkeys(out))
+    return seen[:limit] + ([f"... and {len(seen) - limit} more"] if len(seen) > limit else [])
 
 
 def leading_env(command: str) -> dict[str, str]:
@@ -73,4 +115,5 @@ def run_tests(sandbox, command: str, timeout_s: float, ids: list[str] | None = N
         log = sandbox.read_text(LOG)
     except OSError:
         log = r.output
-    return TestRun(parse_pytest(log), r.exit_code, r.timed_out, r.duration_s, log[-20_000:])
+    return TestRun(parse_pytest(log), r.exit_code, r.timed_out, r.duration_s, log[-20_000:],
+                   run_problems(log, r.exit_code))

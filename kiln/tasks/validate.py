@@ -19,6 +19,24 @@ class Validation:
     reason: str = ""  # why a task was rejected: a short, countable phrase first
     fail_to_pass: list[str] = field(default_factory=list)
     pass_to_pass: list[str] = field(default_factory=list)
+    problems: list[str] = field(default_factory=list)  # why the tests could not run as written (see `cause`)
+
+
+def cause(before: TestRun, after: list[TestRun] | None = None) -> list[str]:
+    """What kept the tests from running as written, before and after the gold patch: conftest and
+    test-module import errors, pytest dying at start (testrun.run_problems)."""
+    out = [f"before the gold patch, {p}" for p in before.problems]
+    if after:
+        out += [f"after it, {p}" for p in after[0].problems if p not in before.problems]
+    return out
+
+
+def with_cause(reason: str, problems: list[str]) -> str:
+    """`reason`, followed by the run problems that explain it (the real cause, shown whole)."""
+    if not problems:
+        return reason
+    return (f"{reason}; the tests could not run as written, so the environment may lack the repository's own "
+            "dependencies:\n" + "\n".join(f"    {p}" for p in problems))
 
 
 def write_hidden_tests(sandbox, task: Task) -> None:
@@ -61,7 +79,8 @@ def _run(task: Task, gold: str, base: Snapshot, sandbox_cfg, runs_after: int) ->
         if runs_after == 0:
             failing = sorted(i for i in before.statuses if not before.passed(i))
             passing = sorted(i for i in before.statuses if before.passed(i))
-            return Validation(bool(failing), "" if failing else "no fail-to-pass test", failing, passing)
+            return Validation(bool(failing), "" if failing else with_cause("no fail-to-pass test", cause(before)),
+                              failing, passing, cause(before))
         try:
             apply_patch_in(sb, gold)
         except (PatchError, OSError) as e:
@@ -71,17 +90,19 @@ def _run(task: Task, gold: str, base: Snapshot, sandbox_cfg, runs_after: int) ->
 
 
 def judge(before: TestRun, after: list[TestRun]) -> Validation:
+    problems = cause(before, after)
     if any(a.timed_out for a in after):
-        return Validation(False, "tests time out after the gold patch")
+        return Validation(False, "tests time out after the gold patch", problems=problems)
     ids = set(before.statuses) | {i for a in after for i in a.statuses}
     flaky = sorted(i for i in ids if len({a.statuses.get(i) for a in after}) > 1)
     if flaky:
-        return Validation(False, f"flaky tests: {flaky[:5]}")
+        return Validation(False, f"flaky tests: {flaky[:5]}", problems=problems)
     broken = sorted(i for i in ids if before.passed(i) and not after[0].passed(i))
     if broken:
-        return Validation(False, f"gold patch breaks passing tests: {broken[:5]}")
+        return Validation(False, with_cause(f"gold patch breaks passing tests: {broken[:5]}", problems),
+                          problems=problems)
     f2p = sorted(i for i in ids if after[0].passed(i) and not before.passed(i))
     p2p = sorted(i for i in ids if before.passed(i) and after[0].passed(i))
     if not f2p:
-        return Validation(False, "no fail-to-pass test")
-    return Validation(True, "", f2p, p2p)
+        return Validation(False, with_cause("no fail-to-pass test", problems), problems=problems)
+    return Validation(True, "", f2p, p2p, problems)

@@ -14,8 +14,9 @@ class Yield:
     examples: dict = field(default_factory=dict)  # reason -> the first full message, for diagnosis
 
     def reject(self, reason: str) -> None:
-        # Count by the reason's leading phrase ("flaky tests: [...]" -> "flaky tests").
-        key = reason.split(":")[0].strip()
+        # Count by the reason's leading phrase ("flaky tests: [...]" -> "flaky tests"; "no fail-to-pass
+        # test; the tests could not run ..." -> "no fail-to-pass test").
+        key = reason.split(":")[0].split(";")[0].strip()
         self.rejected[key] += 1
         self.examples.setdefault(key, reason[:300])
 

@@ -107,3 +107,136 @@ def test_bad_rows(row_file, tmp_path, tcfg):
     assert not os.path.exists(tmp_path / "o" / "acme__calc-2")  # a task that fails validation is removed
     with pytest.raises(TaskError, match="bad.jsonl:1"):
         import_swebench(str(tmp_path / "bad.jsonl"), str(root / "repos"), str(tmp_path / "o"), tcfg, validate=True)
+
+
+# -- sympy-style bare test names, the real cause of a failed validation, a row's own environment ----------
+SYM_OLD = "def double(x):\n    return x + x\n\n\ndef half(x):\n    return x * 2\n"
+SYM_TESTS_OLD = "from symcalc.core import double\n\n\ndef test_double():\n    assert double(3) == 6\n"
+SYM_TESTS_NEW = SYM_TESTS_OLD + "\n\ndef test_issue_24062():\n    assert half(8) == 4\n\n\n" \
+    "class TestHalf:\n    def test_half_of_two(self):\n        assert half(2) == 1\n"
+SYM_TESTS_NEW = SYM_TESTS_NEW.replace("import double", "import double, half")
+# A conftest written for the pytest the repository pinned: a py.path hook argument, which pytest 8 warned
+# about and pytest 9 (kiln's) refuses at start-up; Debian bookworm's pytest 7.2.1 runs it.
+OLD_CONFTEST = "def pytest_ignore_collect(path, config):\n    return None\n"
+
+
+def make_row(root, name: str, files: dict, fixed: dict, f2p: list, p2p: list, version: str = "1.12") -> dict:
+    """A clone at repos/acme__<name> (base commit, then the fix with its tests) and its row."""
+    repo = root / "repos" / f"acme__{name}"
+    repo.mkdir(parents=True)
+    git(repo, "init", "-q")
+    for rel, text in files.items():
+        (repo / rel).parent.mkdir(parents=True, exist_ok=True)
+        (repo / rel).write_text(text)
+    git(repo, "add", "-A")
+    git(repo, "commit", "-qm", "base")
+    base = git(repo, "rev-parse", "HEAD").strip()
+    for rel, text in fixed.items():
+        (repo / rel).write_text(text)
+    git(repo, "add", "-A")
+    git(repo, "commit", "-qm", "fix")
+    tests = [rel for rel in fixed if "/tests/" in rel]
+    src = [rel for rel in fixed if rel not in tests]
+    return {"instance_id": f"acme__{name}-1", "repo": f"acme/{name}", "base_commit": base,
+            "patch": git(repo, "diff", base, "HEAD", "--", *src), "test_patch": git(repo, "diff", base, "HEAD", "--", *tests),
+            "problem_statement": "half(8) gives 16.", "hints_text": "", "created_at": "2024-05-06T07:08:09Z",
+            "version": version, "environment_setup_commit": base,
+            "FAIL_TO_PASS": json.dumps(f2p), "PASS_TO_PASS": json.dumps(p2p)}
+
+
+SYM_FILES = {"symcalc/__init__.py": "", "symcalc/core.py": SYM_OLD, "symcalc/tests/__init__.py": "",
+             "symcalc/tests/test_core.py": SYM_TESTS_OLD}
+SYM_FIXED = {"symcalc/core.py": SYM_OLD.replace("x * 2", "x // 2"), "symcalc/tests/test_core.py": SYM_TESTS_NEW}
+
+
+def test_bare_test_names_map_to_node_ids(tmp_path, tcfg):
+    """sympy's rows name tests bare (`test_issue_24062`): kiln collects the test files of test_patch for
+    their node ids; the row validates (those tests fail on the old code, pass after the gold patch) and
+    exports with its own spelling."""
+    row = make_row(tmp_path, "symcalc", SYM_FILES, SYM_FIXED, ["test_issue_24062", "test_half_of_two"],
+                   ["test_double"])
+    write_rows([row], str(tmp_path / "rows.jsonl"))
+    [task] = import_swebench(str(tmp_path / "rows.jsonl"), str(tmp_path / "repos"), str(tmp_path / "a"), tcfg,
+                             validate=True)
+    path = "symcalc/tests/test_core.py"
+    assert task.fail_to_pass == [f"{path}::test_issue_24062", f"{path}::TestHalf::test_half_of_two"]
+    assert task.pass_to_pass == [f"{path}::test_double"]
+    out = export_swebench(task)
+    assert (out["FAIL_TO_PASS"], out["PASS_TO_PASS"]) == (row["FAIL_TO_PASS"], row["PASS_TO_PASS"])
+    write_rows([out], str(tmp_path / "again.jsonl"))
+    [back] = import_swebench(str(tmp_path / "again.jsonl"), str(tmp_path / "repos"), str(tmp_path / "b"))
+    assert record(back) == record(task)
+
+    errors: list = []
+    write_rows([dict(row, FAIL_TO_PASS=json.dumps(["test_issue_99999"]))], str(tmp_path / "bad.jsonl"))
+    assert import_swebench(str(tmp_path / "bad.jsonl"), str(tmp_path / "repos"), str(tmp_path / "c"),
+                           errors=errors) == []
+    assert "test name(s) ['test_issue_99999'] name no test function in the test files of test_patch " \
+           f"({path})" in errors[0][1], errors
+
+
+@pytest.fixture(scope="module")
+def oldpin(tmp_path_factory):
+    """A repository whose conftest needs an older pytest than kiln's (see OLD_CONFTEST), its row, and an
+    install spec for it: Python 3.11, so Debian bookworm (python3-pytest 7.2.1); no pip, so nothing to fetch."""
+    root = tmp_path_factory.mktemp("oldpin")
+    files = {**SYM_FILES, "conftest.py": OLD_CONFTEST}
+    row = make_row(root, "oldpin", files, SYM_FIXED, ["test_issue_24062"], ["test_double"], version="0.1")
+    write_rows([row], str(root / "rows.jsonl"))
+    return root, {"acme/oldpin": {"0.1": {"python": "3.11"}}}
+
+
+def test_validation_shows_what_kept_the_tests_from_running(oldpin, tmp_path, tcfg):
+    """In kiln's own environment the conftest above stops pytest 9 before any test runs, and a conftest
+    that imports a package kiln lacks does not import: the refusal shows each, not just 'no fail-to-pass test'."""
+    root, _ = oldpin
+    errors: list = []
+    assert import_swebench(str(root / "rows.jsonl"), str(root / "repos"), str(tmp_path / "a"), tcfg,
+                           validate=True, errors=errors) == []
+    msg = errors[0][1]
+    assert "does not validate: no fail-to-pass test; the tests could not run as written" in msg, msg
+    assert "before the gold patch, pytest stopped before running any test" in msg
+    assert "PluginValidationError" in msg and "pytest_ignore_collect(path, config)" in msg
+
+    files = {**SYM_FILES, "conftest.py": "import nosuchdep  # the repository's own dependency\n"}
+    row = make_row(tmp_path, "needsdep", files, SYM_FIXED, ["test_issue_24062"], ["test_double"])
+    write_rows([row], str(tmp_path / "rows.jsonl"))
+    assert import_swebench(str(tmp_path / "rows.jsonl"), str(tmp_path / "repos"), str(tmp_path / "b"), tcfg,
+                           validate=True, errors=errors) == []
+    assert "conftest /workspace/conftest.py does not import: ModuleNotFoundError: No module named 'nosuchdep'" \
+        in errors[1][1], errors[1][1]
+
+
+def test_row_validates_and_the_oracle_solves_it_in_its_own_environment(oldpin, tmp_path, tcfg):
+    """The same row with its install spec: its environment is built (here only the Debian base, which the
+    install step bootstraps: no download), the tests run against bookworm's pytest 7.2.1 at /testbed, the
+    row validates, the oracle scores 1.0 and noop 0.0 there."""
+    from kiln.bench.run import run_rollout
+    from kiln.config import Config, HarnessConfig
+    from kiln.tasks import env_base, swebench_env
+    root, specs = oldpin
+    spec = swebench_env.spec_for("acme/oldpin", "0.1", specs)
+    if not env_base.have_layer(env_base.cache_dir(tcfg.env_cache), env_base.base_id(spec.suite)):
+        why = f"no Debian {spec.suite} base in {env_base.cache_dir(tcfg.env_cache)} (the install step builds it)"
+        pytest.fail(why) if os.environ.get("CI") else pytest.skip(why)
+    [task] = import_swebench(str(root / "rows.jsonl"), str(root / "repos"), str(tmp_path / "a"), tcfg,
+                             validate=True, envs=True, specs=specs, log=lambda m: None)
+    env = task.provenance["environment"]
+    assert env["suite"] == "bookworm" and env["workdir"] == "/testbed" and env["spec"]["python"] == "3.11"
+    assert task.fail_to_pass == ["symcalc/tests/test_core.py::test_issue_24062"]
+    assert not task.test_command.startswith("PYTEST_DISABLE_PLUGIN_AUTOLOAD")  # the repository's own plugins
+    assert load_task(task.path) == task
+    cfg = task.sandbox_config(tcfg)
+    assert cfg.workdir == "/testbed" and cfg.rootfs
+    config = Config(sandbox=tcfg, harness=HarnessConfig(tools=["read_file", "edit_file", "run_shell"]))
+    snap = Snapshot.from_dir(task.repo_dir, tcfg.state_dir)
+    try:
+        with create(snap, cfg) as sb:
+            r = sb.exec("pwd; python -c 'import sys, pytest; print(sys.version_info[:2], pytest.__version__)'")
+            assert r.output.split() == ["/testbed", "(3,", "11)", "7.2.1"], r.output
+        os.makedirs(tmp_path / "bench" / "trajectories")
+        rows = {p: run_rollout(task, 0, p, config, snap, str(tmp_path / "bench")) for p in ("oracle", "noop")}
+    finally:
+        snap.drop()
+    assert rows["oracle"]["correctness"]["score"] == 1.0 and rows["noop"]["correctness"]["score"] == 0.0, rows
+    assert export_swebench(task)["version"] == "0.1"
