@@ -17,6 +17,7 @@ import hashlib
 import io
 import os
 import shutil
+import socket
 import tarfile
 import time
 from dataclasses import dataclass
@@ -41,6 +42,7 @@ def connect(ray_cfg, min_cpus: float = 0) -> bool:
     t = time.monotonic()
     try:
         if address:
+            _probe(address)
             ray.init(address=address, log_to_driver=True, configure_logging=False)
         else:
             ncpu = ray_cfg.num_cpus or max(len(os.sched_getaffinity(0)), int(-(-min_cpus // 1)))
@@ -75,7 +77,29 @@ def connect(ray_cfg, min_cpus: float = 0) -> bool:
     return True
 
 
-def alive_nodes() -> list[dict]:
+PROBE_S = 10.0
+
+
+def _probe(address: str) -> None:
+    """Fail in seconds when nothing answers at a cluster's address: ray.init itself retries for many
+    minutes, printing only warnings. `address` as ray.init takes it: host:port, "auto" (the Ray last
+    started on this machine), or ray://host:port (Ray Client)."""
+    from ray._private import services
+
+    try:
+        if address.startswith("ray://"):
+            host, port = services.parse_address(address[len("ray://"):]) or (address[len("ray://"):], "10001")
+        else:  # as ray.init resolves it ("auto" from this machine's record, localhost to the node's address)
+            host, port = services.parse_address(services.canonicalize_bootstrap_address_or_die(address))
+        port = int(port)
+    except (ValueError, ConnectionError, TypeError) as e:
+        raise ValueError(f"{str(e).rstrip('.')}; give HEAD_HOST:PORT, the address `ray start --head` printed "
+                         f"(port 6379 by default)") from None
+    try:
+        socket.create_connection((host, port), timeout=PROBE_S).close()
+    except OSError as e:
+        raise ConnectionError(f"nothing answers at {host}:{port} ({e.strerror or e or 'timed out'}): is `ray start "
+                              f"--head` running there, and is the port reachable from this machine?") from None
     import ray
 
     return [n for n in ray.nodes() if n.get("Alive")]

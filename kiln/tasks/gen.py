@@ -88,7 +88,8 @@ class RepoSource:
     """A repository tasks are derived from: its Python files, a base snapshot, and the timing of
     its (passing) test suite, which sets the screening and task timeouts."""
 
-    def __init__(self, repo: str, out_dir: str, cfg, test_command: str, source: str | None, seed: int):
+    def __init__(self, repo: str, out_dir: str, cfg, test_command: str, source: str | None, seed: int,
+                 task_timeout: float | None = None):
         self.repo, self.out_dir, self.cfg, self.test_command = os.path.abspath(repo), out_dir, cfg, test_command
         self.source, self.seed = source or self.repo, seed
         os.makedirs(out_dir, exist_ok=True)
@@ -110,8 +111,11 @@ class RepoSource:
             raise
         self.n_tests, self.t_full = len(run.statuses), run.duration_s
         self.screen_timeout = max(10.0, 3 * self.t_full)
-        self.task_timeout = max(60.0, 10 * self.t_full)
-        self.name = slug(os.path.basename(self.source.rstrip("/")))
+        # A fixed `task_timeout` (the frozen suite's) keeps task.toml free of measured times.
+        self.task_timeout = task_timeout or max(60.0, 10 * self.t_full)
+        self.project = self.source.split(":", 1)[1] if self.source.startswith("builtin:") else \
+            os.path.basename(self.source.rstrip("/"))
+        self.name = slug(self.project)
 
     def screen(self, files: dict[str, bytes], ids: list[str] | None = None) -> tuple[Snapshot, TestRun]:
         """The repository with `files` replaced, frozen as a snapshot (for `validate`; the caller

@@ -12,6 +12,7 @@ grader resets any test file it edits, so visibility costs nothing and mirrors re
 """
 from __future__ import annotations
 
+import hashlib
 import random
 import re
 
@@ -19,6 +20,7 @@ from .gen import (RepoSource, discard, failing, failure_messages, module_name, p
                   run_candidates, test_file)
 from .mutants import Mutant, find_mutants
 from .patch import make_patch
+from .prompts import bug_prompt
 from .record import DEFAULT_TEST_COMMAND, Task
 from .validate import validate
 from .yields import Yield
@@ -129,6 +131,117 @@ def generate_mutants(repo: str, out_dir: str, sandbox_cfg, max_tasks: int | None
     y = Yield("mutate")
     try:
         run_candidates(sample(mut.mutants(), seed), mut.handle, y, workers, max_tasks, progress)
+    finally:
+        mut.close()
+    return y
+
+
+# -- multi-site bugs -------------------------------------------------------------------------------
+
+def apply_all(src: bytes, mutants: list[Mutant]) -> bytes:
+    """Several non-overlapping mutants of one file, applied together."""
+    for m in sorted(mutants, key=lambda m: m.start, reverse=True):
+        src = m.apply(src)
+    return src
+
+
+def unit_of(m: Mutant) -> tuple[str, str]:
+    """What makes mutants related: the same class (any of its methods) or the same top-level function."""
+    return m.path, m.function.split(".")[0]
+
+
+def mutant_groups(mutants: list[Mutant], seed: int, sizes: tuple[int, ...] = (2, 3)) -> list[list[Mutant]]:
+    """Disjoint groups of 2-3 related mutants (one unit, distinct lines, non-overlapping), in the
+    seeded sample order: each group is emitted as soon as its unit has collected enough."""
+    rng = random.Random(seed * 7919 + 1)
+    buckets: dict[tuple[str, str], list[Mutant]] = {}
+    want: dict[tuple[str, str], int] = {}
+    out = []
+    for m in sample(mutants, seed):
+        u = unit_of(m)
+        b = buckets.setdefault(u, [])
+        if u not in want:
+            want[u] = rng.choice(sizes)
+        if any(x.line == m.line or (m.start < x.end and x.start < m.end) for x in b):
+            continue
+        b.append(m)
+        if len(b) == want[u]:
+            out.append(sorted(b, key=lambda x: x.start))
+            buckets[u], want[u] = [], rng.choice(sizes)
+    return out
+
+
+class _MultiMutator(_Mutator):
+    def screen_one(self, m: Mutant) -> str | None:
+        """Why a single site is unusable (None: some test catches it on its own, without breaking too much)."""
+        snap, run = self.screen({m.path: m.apply(self.texts[m.path])}, self.affected(m))
+        snap.drop(keep=self.base)
+        fails = failing(run)
+        if run.timed_out:
+            return "a site hangs the tests"
+        if any("::" not in i for i in fails):
+            return "a site breaks test collection"
+        if not fails:
+            return "a site survives the tests"
+        if len(fails) > MAX_FAIL_FRACTION * self.n_tests:
+            return "a site breaks too many tests"
+        return None
+
+    def handle_group(self, group: list[Mutant]) -> Task | str:
+        for m in group:  # every site must matter: a test catches each one alone
+            why = self.screen_one(m)
+            if why:
+                return why
+        path = group[0].path
+        mutated = apply_all(self.texts[path], group)
+        files = sorted({t for m in group for t in (self.affected(m) or self.test_files)})
+        snap, run = self.screen({path: mutated}, files if len(files) < len(self.test_files) else None)
+        task = None
+        try:
+            fails = failing(run)
+            if run.timed_out or not fails or any("::" not in i for i in fails):
+                return "the sites together do not fail cleanly"
+            if len(fails) > MAX_FAIL_FRACTION * self.n_tests:
+                return "mutant breaks too many tests"
+            msgs = failure_messages(run.log, fails)
+            unit = f"{module_name(path)}.{group[0].function.split('.')[0]}"
+            key = hashlib.sha1(b"".join(f"{m.key}".encode() for m in group)).hexdigest()[:10]
+            gold = make_patch(path, mutated.decode("utf-8"), self.texts[path].decode("utf-8"))
+            task = Task(id=f"{self.name}-bug{len(group)}-{key}", prompt="-", category="bugfix", difficulty=len(group),
+                        provenance={"generator": "mutate_multi", "source": self.source, "file": path, "unit": unit,
+                                    "seed": self.seed, "sites": [
+                                        {"line": m.line, "function": f"{module_name(path)}.{m.function}",
+                                         "mutation": m.kind, "original": m.original.decode("utf-8", "replace"),
+                                         "mutant": m.replacement.decode("utf-8", "replace")} for m in group]})
+            hidden = {p: self.texts[p] for p in sorted({test_file(i) for i in fails})}
+            task = self.save(task, {path: mutated}, hidden, gold)
+            v = validate(task, self.cfg, snap)
+            if not v.ok:
+                discard(task)
+                return v.reason
+            task.fail_to_pass, task.pass_to_pass = v.fail_to_pass, v.pass_to_pass
+            msg = next((msgs[i] for i in v.fail_to_pass if msgs.get(i)), "")
+            task.prompt = bug_prompt(task.id, self.project, unit.split(".")[-1], path, v.fail_to_pass, msg, multi=True)
+            extra = {test_file(i) for i in v.fail_to_pass} - set(task.hidden_tests())
+            return publish(task, self.out_dir, {p: self.texts[p] for p in sorted(extra)})
+        except BaseException:
+            discard(task)
+            raise
+        finally:
+            snap.drop(keep=self.base)
+
+
+def generate_multi_mutants(repo: str, out_dir: str, sandbox_cfg, max_tasks: int | None = None, seed: int = 0,
+                           workers: int = 2, test_command: str = DEFAULT_TEST_COMMAND, progress: bool = True,
+                           source: str | None = None, task_timeout: float | None = None,
+                           sizes: tuple[int, ...] = (2, 3)) -> Yield:
+    """Write bugfix tasks of 2-3 related mutations each (one class or function): every site is
+    caught by some test on its own, and the task's fail-to-pass tests are all the tests the sites
+    break together, so every site has to be found and fixed."""
+    mut = _MultiMutator(repo, out_dir, sandbox_cfg, test_command, source, seed, task_timeout)
+    y = Yield("mutate_multi")
+    try:
+        run_candidates(mutant_groups(mut.mutants(), seed, sizes), mut.handle_group, y, workers, max_tasks, progress)
     finally:
         mut.close()
     return y

@@ -134,3 +134,33 @@ def test_mutants_of_toolz(tmp_path, tcfg):
     print(f"\n{y}\n{time.monotonic() - t0:.0f}s")
     assert y.kept >= 20
     assert len(load_suite(str(tmp_path / "out"))) == y.kept
+
+
+def test_multi_site_mutants_are_caught_and_need_every_fix(tmp_path, tcfg):
+    from kiln.tasks.mutate import apply_all, generate_multi_mutants, mutant_groups
+    groups = mutant_groups(find_mutants("mini/core.py", CORE.encode()), seed=0)
+    assert groups and all(2 <= len(g) <= 3 and len({m.function.split(".")[0] for m in g}) == 1 for g in groups)
+    repo = make_repo(tmp_path / "src")
+    y = generate_multi_mutants(repo, str(tmp_path / "out"), tcfg, max_tasks=2, seed=0, progress=False)
+    tasks = load_suite(str(tmp_path / "out"))
+    assert y.kept == len(tasks) == 2, str(y)
+    for t in tasks:
+        sites = t.provenance["sites"]
+        assert t.category == "bugfix" and t.provenance["generator"] == "mutate_multi" and len(sites) >= 2
+        assert t.fail_to_pass and len(t.prompt) > 150
+        mutated = open(os.path.join(t.repo_dir, "mini/core.py")).read()
+        assert mutated != CORE and all(s["mutant"] in mutated or not s["mutant"] for s in sites)
+        with create(Snapshot.from_dir(t.repo_dir, tcfg.state_dir), tcfg) as sb:
+            assert grade_correctness(sb, t)["resolved"] is False  # the mutant is caught
+            # Fix all sites but one: still not solved (a test catches each site on its own).
+            muts = find_mutants("mini/core.py", CORE.encode())
+            group = [next(m for m in muts if m.line == s["line"] and m.kind == s["mutation"]
+                          and m.replacement.decode() == s["mutant"]) for s in sites]
+            assert apply_all(CORE.encode(), group).decode() == mutated
+            sb.write("mini/core.py", apply_all(CORE.encode(), group[1:]))
+            assert grade_correctness(sb, t)["resolved"] is False
+            sb.write("mini/core.py", mutated)
+            apply_patch_in(sb, t.solution)
+            assert sb.read_text("mini/core.py") == CORE
+            assert grade_correctness(sb, t)["resolved"] is True
+    assert apply_all(b"abc", []) == b"abc"
