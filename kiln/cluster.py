@@ -100,6 +100,9 @@ def _probe(address: str) -> None:
     except OSError as e:
         raise ConnectionError(f"nothing answers at {host}:{port} ({e.strerror or e or 'timed out'}): is `ray start "
                               f"--head` running there, and is the port reachable from this machine?") from None
+
+
+def alive_nodes() -> list[dict]:
     import ray
 
     return [n for n in ray.nodes() if n.get("Alive")]

@@ -15,7 +15,7 @@ from __future__ import annotations
 import ast
 import hashlib
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from .gen import (
     RepoSource,
@@ -37,10 +37,16 @@ class Feature:
     path: str  # the defining module, repository-relative
     name: str
     node: ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef
+    units: list = field(default_factory=list)  # multi-unit: the seed and its exclusive helpers (units.Unit)
 
     @property
     def module(self) -> str:
         return module_name(self.path)
+
+    @property
+    def parts(self) -> list[tuple[str, str, ast.stmt]]:
+        """(path, name, node) of everything deleted: the seed alone, or the seed and its helpers."""
+        return [(u.path, u.name, u.node) for u in self.units] or [(self.path, self.name, self.node)]
 
 
 def _test_defs(tree: ast.Module):
@@ -55,6 +61,8 @@ def _test_defs(tree: ast.Module):
 
 
 class _Deleter(RepoSource):
+    generator = "delete_feature"
+
     def features(self) -> list[Feature]:
         found: dict[str, list[Feature]] = {}
         for path in self.src_files:
@@ -74,9 +82,11 @@ class _Deleter(RepoSource):
             src = self.texts[path]
             tree = parse(src)
             ed, gone = Edits(src), []
+            names = [n for _, n, _ in f.parts]
             for suffix, st, cls in _test_defs(tree):
-                if f"{path}::{suffix}" in also or references(st, f.name) or cls is not None and any(
-                        references(s, f.name) for s in cls.body if not isinstance(s, (ast.FunctionDef, ast.AsyncFunctionDef))):
+                if f"{path}::{suffix}" in also or any(references(st, n) for n in names) or cls is not None and any(
+                        references(s, n) for s in cls.body if not isinstance(s, (ast.FunctionDef, ast.AsyncFunctionDef))
+                        for n in names):
                     gone.append((st, cls))
                     removed.add(f"{path}::{suffix}")
             for st, cls in gone:
@@ -86,7 +96,9 @@ class _Deleter(RepoSource):
                     ed.remove_statement(cls)  # a test class with no test left goes whole
                 else:
                     ed.remove_statement(st)
-            new, _ = strip_name(path, ed.result(), f.name, f.module.split(".")[0], drop_all=False)
+            new = ed.result()
+            for n in names:
+                new, _ = strip_name(path, new, n, f.module.split(".")[0], drop_all=False)
             if new != src:
                 edited[path] = new
         return edited, removed
@@ -96,12 +108,17 @@ class _Deleter(RepoSource):
         edited = {}
         for path in self.src_files:
             src = self.texts[path]
-            if path == f.path:
+            here = [node for p, _, node in f.parts if p == path]
+            if here:
                 ed = Edits(src)
-                ed.remove_statement(f.node)
-                new, _ = strip_name(path, ed.result(), f.name, package, drop_all=True)
+                for node in here:
+                    ed.remove_statement(node)
+                src2 = ed.result()
             else:
-                new, _ = strip_name(path, src, f.name, package, drop_all=False)
+                src2 = src
+            new = src2
+            for p, n, _ in f.parts:
+                new, _ = strip_name(path, new, n, package, drop_all=p == path)
             if new != src:
                 edited[path] = new
         return edited
@@ -155,11 +172,14 @@ class _Deleter(RepoSource):
                 return "other tests fail without the feature"
             gold = "".join(make_patch(p, source[p].decode("utf-8"), self.texts[p].decode("utf-8")) for p in sorted(source))
             digest = hashlib.sha1(f"{f.path}:{f.name}".encode()).hexdigest()[:6]
+            prov = {"generator": self.generator, "source": self.source, "file": f.path,
+                    "line": f.node.lineno, "name": f"{f.module}.{f.name}",
+                    "kind": "class" if isinstance(f.node, ast.ClassDef) else "function",
+                    "removed_tests": len(removed), "seed": self.seed}
+            if f.units:
+                prov["units"] = [f"{module_name(p)}.{n}" for p, n, _ in f.parts]
             task = Task(id=f"{self.name}-feat-{f.name}-{digest}", prompt=self.prompt(f, sorted(source)), category="feature",
-                        difficulty=2, provenance={"generator": "delete_feature", "source": self.source, "file": f.path,
-                                                  "line": f.node.lineno, "name": f"{f.module}.{f.name}",
-                                                  "kind": "class" if isinstance(f.node, ast.ClassDef) else "function",
-                                                  "removed_tests": len(removed), "seed": self.seed})
+                        difficulty=2 if len(f.parts) == 1 else 3, provenance=prov)
             hidden = {p: self.texts[p] for p in sorted({r.split("::")[0] for r in removed})}
             task = self.save(task, {**source, **tests}, hidden, gold)
             v = validate(task, self.cfg, snap)
@@ -188,6 +208,58 @@ def generate_feature_deletions(repo: str, out_dir: str, sandbox_cfg, max_tasks: 
     into `out_dir`. Raises GeneratorError when the repository's own tests do not pass."""
     d = _Deleter(repo, out_dir, sandbox_cfg, test_command, source, seed)
     y = Yield("delete_feature")
+    try:
+        run_candidates(d.features(), d.handle, y, workers, max_tasks, progress)
+    finally:
+        d.close()
+    return y
+
+
+class _GroupDeleter(_Deleter):
+    """Multi-unit deletion: a public function or class with the private helpers only it uses, in its
+    own module or (imported) in others, deleted together; kept when it spans `min_lines`."""
+    generator = "delete_feature_multi"
+
+    def __init__(self, *args, min_lines: int = 1, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.min_lines = min_lines
+
+    def features(self) -> list[Feature]:
+        from .units import UnitGraph
+        g = UnitGraph(self.texts, self.src_files)
+        names: dict[str, int] = {}
+        for u in g.units.values():
+            names[u.name] = names.get(u.name, 0) + 1
+        out = []
+        for seed in sorted(g.public(), key=lambda u: u.key):
+            if names[seed.name] > 1:
+                continue  # defined in two modules: not one feature
+            group = g.closure(seed)
+            if sum(u.n_lines for u in group) >= self.min_lines:
+                out.append(Feature(seed.path, seed.name, seed.node, group))
+        random.Random(self.seed).shuffle(out)
+        return out
+
+    def prompt(self, f: Feature, source_files: list[str]) -> str:
+        from .prompts import feature_prompt
+        if isinstance(f.node, ast.ClassDef):
+            what = f"the `{f.name}` class"
+        else:
+            what = f"`{self.public_name(f)}()`"
+        key = f"{f.path}:{f.name}"
+        return feature_prompt(key, self.project, what, f.path, ast.get_docstring(f.node) or "", len(f.parts),
+                              [p for p in source_files if p != f.path])
+
+
+def generate_feature_groups(repo: str, out_dir: str, sandbox_cfg, max_tasks: int | None = None, seed: int = 0,
+                            workers: int = 2, test_command: str = DEFAULT_TEST_COMMAND, progress: bool = True,
+                            source: str | None = None, task_timeout: float | None = None,
+                            min_lines: int = 1) -> Yield:
+    """Multi-unit feature tasks: a public function or class deleted with its exclusive private
+    helpers (across modules when they are imported), its tests hidden; only groups of at least
+    `min_lines` source lines are tried."""
+    d = _GroupDeleter(repo, out_dir, sandbox_cfg, test_command, source, seed, task_timeout, min_lines=min_lines)
+    y = Yield("delete_feature_multi")
     try:
         run_candidates(d.features(), d.handle, y, workers, max_tasks, progress)
     finally:

@@ -76,37 +76,41 @@ MULTI_HINT = [
 def bug_prompt(key: str, project: str, symbol: str, path: str, f2p: list[str], message: str, multi: bool) -> str:
     t = test_names(f2p)
     msg = clean_message(message) if message else ""
-    return pick(key, BUG).format(
+    return " ".join(pick(key, BUG).format(
         project=project, symbol=symbol, path=path, tests=names(t), fail_verb="fails" if len(t) == 1 else "fail",
         msg_clause=f" with `{msg}`" if msg else "", hint=pick(key + "h", MULTI_HINT) if multi else "",
-    ).replace("  ", " ").replace(" .", ".")
+    ).split())
 
 
 # -- features: what to build, rarely where -------------------------------------------------------
 
 FEATURE = [
-    "{project} is missing {what}. {doc} Implement it{helpers}; the tests for it were lost, so write it from "
-    "how the rest of the package works and keep the public API consistent with its neighbours.",
-    "We need {what} back in {project}. {doc} It should be importable the same way as the other public names"
-    "{helpers}. Match the behaviour callers already expect elsewhere in the code.",
-    "Please add {what} to `{path}`. {doc} Hook up any exports{helpers}.",
-    "Implement {what}. {doc} Other code in {project} refers to it; make it work like the docs and "
-    "existing usages imply{helpers}.",
-    "Restore {what} in {project}. {doc} Look at how it is used and documented elsewhere in the repo to get the "
-    "details right{helpers}.",
+    "{project} is missing {what}. {doc} Implement it; the tests for it were lost, so work from the docs and how "
+    "the rest of the package is written, and keep the public API consistent with its neighbours.{helpers}",
+    "We need {what} back in {project}. {doc} It should be importable the same way as the other public names. "
+    "Match the behaviour its docs describe.{helpers}",
+    "Please add {what} to `{path}`. {doc} Hook up any exports too.{helpers}",
+    "Implement {what}. {doc} Follow the conventions of the surrounding code (naming, errors, edge cases); make "
+    "it behave the way its name and docs imply.{helpers}",
+    "Restore {what} in {project}. {doc} Look at how similar things are done elsewhere in the repo to get "
+    "the details right.{helpers}",
 ]
 
 
 def feature_prompt(key: str, project: str, what: str, path: str, doc: str, n_units: int, other_files: list[str]) -> str:
     helpers = ""
     if n_units > 1:
-        helpers = pick(key + "u", [f", with the {n_units - 1} helper{'s' if n_units > 2 else ''} it needs",
-                                   ", including its private helpers", " together with the pieces it depends on"])
+        helpers = " " + pick(key + "u", [
+            f"It needs {n_units - 1} private helper{'s' if n_units > 2 else ''} as well, which are gone too.",
+            "Its private helpers were removed with it; bring back whatever it needs.",
+            "Some internal pieces it relies on are missing as well."])
     if other_files and pick(key + "f", [True, False]):
-        helpers += " (it is exported from " + ", ".join(f"`{p}`" for p in other_files[:2]) + ")"
+        helpers += " It should be exported from " + ", ".join(f"`{p}`" for p in other_files[:2]) + "."
     doc = first_sentence(doc, 220)
-    return pick(key, FEATURE).format(project=project, what=what, path=path, doc=doc or "", helpers=helpers
-                                     ).replace("  ", " ").replace(" .", ".")
+    if doc and doc[-1] not in ".!?":
+        doc += "."
+    return " ".join(pick(key, FEATURE).format(project=project, what=what, path=path, doc=doc or "",
+                                              helpers=helpers).split())
 
 
 # -- refactors -----------------------------------------------------------------------------------

@@ -137,3 +137,78 @@ def test_feature_deletions_of_toolz(tmp_path, tcfg):
     print(f"\n{y}\n{time.monotonic() - t0:.0f}s")
     assert y.kept >= 20
     assert len(load_suite(str(tmp_path / "out"))) == y.kept
+
+
+SPAN_INIT = "from .core import Span, add\n"
+SPAN_UTIL = "def _norm(x):\n    return int(x)\n\n\ndef other(x):\n    return x * 2\n"
+SPAN_CORE = '''\
+from .util import _norm, other
+
+
+def add(a, b):
+    return other(a) // 2 + b
+
+
+class Span:
+    """A closed integer range."""
+
+    def __init__(self, lo, hi):
+        self.lo, self.hi = _norm(lo), _norm(hi)
+
+    def __len__(self):
+        return _width(self)
+
+    def __contains__(self, x):
+        return self.lo <= x <= self.hi
+
+
+def _width(s):
+    return s.hi - s.lo + 1
+'''
+SPAN_TESTS = '''\
+from mini import Span, add
+from mini.util import other
+
+
+def test_add():
+    assert add(2, 3) == 5
+
+
+def test_other():
+    assert other(4) == 8
+
+
+def test_span():
+    s = Span("1", 3.0)
+    assert len(s) == 3 and 2 in s and 4 not in s
+'''
+
+
+def test_multi_unit_deletion_spans_files(tmp_path, tcfg):
+    from kiln.tasks.delete_feature import generate_feature_groups
+    root = tmp_path / "src"
+    (root / "mini").mkdir(parents=True)
+    (root / "mini" / "__init__.py").write_text(SPAN_INIT)
+    (root / "mini" / "util.py").write_text(SPAN_UTIL)
+    (root / "mini" / "core.py").write_text(SPAN_CORE)
+    (root / "tests").mkdir()
+    (root / "tests" / "test_core.py").write_text(SPAN_TESTS)
+    out = tmp_path / "out"
+    y = generate_feature_groups(str(root), str(out), tcfg, seed=0, progress=False, min_lines=8)
+    tasks = {t.provenance["name"]: t for t in load_suite(str(out))}
+    assert list(tasks) == ["mini.core.Span"], str(y)  # add (3 lines) is under min_lines; other has no helper
+    t = tasks["mini.core.Span"]
+    assert t.provenance["generator"] == "delete_feature_multi" and t.difficulty == 3
+    assert t.provenance["units"] == ["mini.core.Span", "mini.core._width", "mini.util._norm"]
+    assert t.gold["files"] == ["mini/__init__.py", "mini/core.py", "mini/util.py"]  # the deletion spans files
+    assert t.fail_to_pass == ["tests/test_core.py::test_span"]
+    core = open(os.path.join(t.repo_dir, "mini/core.py")).read()
+    assert "Span" not in core and "_width" not in core and core.startswith("from .util import other\n")
+    assert open(os.path.join(t.repo_dir, "mini/util.py")).read() == "def other(x):\n    return x * 2\n"
+    assert "test_span" not in open(os.path.join(t.repo_dir, "tests/test_core.py")).read()
+    assert "`Span`" in t.prompt and "private helper" in t.prompt or "internal pieces" in t.prompt or "helpers" in t.prompt
+    with create(Snapshot.from_dir(t.repo_dir, tcfg.state_dir), tcfg) as sb:
+        assert grade_correctness(sb, t)["resolved"] is False
+        apply_patch_in(sb, t.solution)
+        assert sb.read_text("mini/core.py") == SPAN_CORE and sb.read_text("mini/util.py") == SPAN_UTIL
+        assert grade_correctness(sb, t)["resolved"] is True
