@@ -57,10 +57,12 @@ class EnvSpec:
 
 _EDITABLE = "python -m pip install -e ."
 _PYTEST7 = "pytest==7.4.4"
-_FLASK_20 = ("setuptools==70.0.0", "Werkzeug==2.3.7", "Jinja2==3.0.1", "itsdangerous==2.1.2", "click==8.0.1",
-             "MarkupSafe==2.1.3", _PYTEST7)
-_FLASK_21 = ("setuptools==70.0.0", "Werkzeug==2.3.7", "Jinja2==3.1.2", "itsdangerous==2.1.2", "click==8.1.3",
-             "MarkupSafe==2.1.1", _PYTEST7)
+# Flask's own setup.cfg turns warnings into errors, so Werkzeug must be of the row's time: a later one's
+# deprecation warnings fail its tests (Werkzeug 2.3.7 under Flask 2.0.3: url_parse is deprecated).
+_FLASK_20 = ("setuptools==70.0.0", "Werkzeug==2.0.3", "Jinja2==3.0.3", "itsdangerous==2.0.1", "click==8.0.4",
+             "MarkupSafe==2.0.1", _PYTEST7)
+_FLASK_2X = {v: ("setuptools==70.0.0", f"Werkzeug=={w}", "Jinja2==3.1.2", "itsdangerous==2.1.2", "click==8.1.3",
+                 "MarkupSafe==2.1.1", _PYTEST7) for v, w in (("2.1", "2.1.2"), ("2.2", "2.2.3"), ("2.3", "2.3.7"))}
 _PYTEST_DEPS = {"5": ("py==1.11.0", "packaging==23.1", "attrs==23.1.0", "more-itertools==10.1.0", "pluggy==0.13.1",
                       "wcwidth==0.2.6", "setuptools==70.0.0", "setuptools_scm==7.1.0", "wheel"),
                 "6": ("py==1.11.0", "packaging==23.1", "attrs==23.1.0", "iniconfig==2.0.0", "pluggy==0.13.1",
@@ -75,7 +77,7 @@ _PYTEST_DEPS = {"5": ("py==1.11.0", "packaging==23.1", "attrs==23.1.0", "more-it
 def _table() -> dict[str, dict[str, EnvSpec]]:
     t: dict[str, dict[str, EnvSpec]] = {}
     t["pallets/flask"] = {"2.0": EnvSpec("3.9", _FLASK_20, install=_EDITABLE),
-                          **{v: EnvSpec("3.11", _FLASK_21, install=_EDITABLE) for v in ("2.1", "2.2", "2.3")}}
+                          **{v: EnvSpec("3.11", pins, install=_EDITABLE) for v, pins in _FLASK_2X.items()}}
     t["psf/requests"] = {v: EnvSpec("3.9", ("setuptools==70.0.0", "wheel", _PYTEST7, "pytest-httpbin==2.0.0"),
                                     install="python -m pip install .")
                          for v in ("2.0", "2.2", "2.3", "2.4", "2.5", "2.7", "2.8", "2.9", "2.10", "2.12", "2.17",
@@ -137,8 +139,14 @@ def dockerfile(spec: EnvSpec) -> str:
     spec without pip pins or an install needs no pip, so it starts from the Debian base itself."""
     needs_pip = bool(spec.pip or spec.install)
     lines = [f"FROM python:{spec.python}-{spec.suite}" if needs_pip else f"FROM debian:{spec.suite}"]
-    if spec.env:
-        lines.append("ENV " + " ".join(f"{k}={shlex.quote(v)}" for k, v in sorted(spec.env.items())))
+    env = dict(spec.env)
+    if needs_pip and int(spec.python.split(".")[1]) < 12:
+        # A pinned setuptools brings its own copy of distutils, which knows nothing of Debian's layout: a
+        # `setup.py develop` would link the package from /usr/lib/python3.X/site-packages, which Debian's
+        # Python never reads. Debian's own distutils installs where pip's pins went (/usr/local/.../dist-packages).
+        env.setdefault("SETUPTOOLS_USE_DISTUTILS", "stdlib")
+    if env:
+        lines.append("ENV " + " ".join(f"{k}={shlex.quote(v)}" for k, v in sorted(env.items())))
     if spec.apt:
         lines.append("RUN apt-get update && apt-get install -y --no-install-recommends "
                      f"{' '.join(map(shlex.quote, spec.apt))} && rm -rf /var/lib/apt/lists/*")

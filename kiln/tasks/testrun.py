@@ -54,6 +54,8 @@ _E_LINE = re.compile(r"^E +(\S.*?)\s*$")
 _CONFTEST = re.compile(r"^ImportError while loading conftest '(?P<path>.+)'\.\s*$")
 _COLLECTING = re.compile(r"^_+ ERROR collecting (?P<path>\S+) _+\s*$")
 _SECTION = re.compile(r"^(?:_{3,}|={3,}) ")
+_SETUP = re.compile(r"^_+ ERROR at setup of (?P<name>.+?) _+\s*$")
+_WHERE = re.compile(r"^(?P<loc>\S+:\d+): (?P<exc>[\w.]+)\s*$")
 
 
 def run_problems(log: str, exit_code: int = 0, limit: int = 8) -> list[str]:
@@ -73,7 +75,8 @@ def run_problems(log: str, exit_code: int = 0, limit: int = 8) -> list[str]:
             m = _E_LINE.match(line)
             if m:
                 found.append(m[1])
-        return " ".join(found[-3:]) or "(no error line)"
+        return " ".join(list(dict.fromkeys(found))[-3:]) or "(no error line)"
+    setups: dict[tuple[str, str], int] = {}  # (where, error) -> tests whose setup failed there
     for i, line in enumerate(lines):
         m = _CONFTEST.match(line)
         if m:
@@ -82,6 +85,21 @@ def run_problems(log: str, exit_code: int = 0, limit: int = 8) -> list[str]:
         m = _COLLECTING.match(line)
         if m:
             out.append(f"collecting {m['path']}: {errors(i + 1)}")
+            continue
+        if _SETUP.match(line):
+            where = ""
+            for x in lines[i + 1:i + 200]:
+                if _SECTION.match(x):
+                    break
+                w = _WHERE.match(x)
+                where = w["loc"] if w else where
+            key = (where, errors(i + 1))
+            setups[key] = setups.get(key, 0) + 1
+    statuses = parse_pytest(log)
+    every = bool(statuses) and all(st == ERROR for st in statuses.values())
+    for (where, err), n in sorted(setups.items(), key=lambda kv: -kv[1]):
+        if "conftest" in where or every:  # a fixture of the repository's own test set-up, not one test's
+            out.append(f"the setup of {n} test{'s' if n > 1 else ''} fails at {where or '?'}: {err}")
     if not out and (exit_code in (3, 4) or "Traceback (most recent call last)" in log) and \
             not any(_VERBOSE.match(x) for x in lines):
         tail = [x.strip() for x in lines if x.strip() and not x[0].isspace()  # not the traceback's code

@@ -206,6 +206,16 @@ def test_validation_shows_what_kept_the_tests_from_running(oldpin, tmp_path, tcf
     assert "conftest /workspace/conftest.py does not import: ModuleNotFoundError: No module named 'nosuchdep'" \
         in errors[1][1], errors[1][1]
 
+    # Flask 2.0's conftest: an autouse fixture using what pytest 9 removed fails the setup of every test.
+    files = {**SYM_FILES, "conftest.py": "import pytest\nfrom _pytest import monkeypatch\n\n\n"
+             "@pytest.fixture(autouse=True)\ndef _environ():\n    return monkeypatch.notset\n"}
+    row = make_row(tmp_path, "setuperr", files, SYM_FIXED, ["test_issue_24062"], ["test_double"])
+    write_rows([row], str(tmp_path / "rows.jsonl"))
+    assert import_swebench(str(tmp_path / "rows.jsonl"), str(tmp_path / "repos"), str(tmp_path / "c"), tcfg,
+                           validate=True, errors=errors) == []
+    assert "before the gold patch, the setup of 3 tests fails at conftest.py:7: AttributeError: module " \
+           "'_pytest.monkeypatch' has no attribute 'notset'" in errors[2][1], errors[2][1]
+
 
 def test_row_validates_and_the_oracle_solves_it_in_its_own_environment(oldpin, tmp_path, tcfg):
     """The same row with its install spec: its environment is built (here only the Debian base, which the
