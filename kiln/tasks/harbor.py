@@ -38,7 +38,7 @@ from .harbor_env import (
     sandbox_config,
     verify_script,
 )
-from .harbor_export import export_harbor
+from .harbor_export import SCHEMA_VERSION, describe, export_harbor, prune
 from .harbor_scripts import TB1_DEFAULT, check_script, offline_tb1_tests
 from .patch import gold_stats
 from .record import CATEGORIES, Problems, Task, TaskError, save_task
@@ -197,11 +197,14 @@ def import_tb1(folder: str, out_dir: str, sandbox_cfg=None, validate: bool = Fal
         steps = yaml.safe_load(_text(os.path.join(folder, "solution.yaml"))) or []
         commands = [str(s["command"]) for s in steps if isinstance(s, dict) and "command" in s]
         solution["solve.sh"] = ("#!/bin/bash\n" + "\n".join(commands) + "\n").encode()
-    keep = {k: meta[k] for k in ("author_name", "author_email", "difficulty", "category", "tags")
-            if meta.get(k) is not None}
-    config = {"version": "1.0", "metadata": keep,
-              "verifier": {"timeout_sec": float(meta.get("max_test_timeout_sec", 180.0))},
-              "agent": {"timeout_sec": float(meta.get("max_agent_timeout_sec", 360.0))}}
+    keep = {k: meta[k] for k in ("difficulty", "category") if meta.get(k) is not None}
+    author = {"name": meta.get("author_name"), "email": meta.get("author_email")}
+    config = prune({"schema_version": SCHEMA_VERSION,  # as Harbor's own Terminal-Bench adapter writes it
+                    "task": {"name": f"terminal-bench/{_task_id(folder)}", "description": describe(prompt or ""),
+                             "authors": [author] if author["name"] else [], "keywords": meta.get("tags") or []},
+                    "metadata": keep,
+                    "verifier": {"timeout_sec": float(meta.get("max_test_timeout_sec", 180.0))},
+                    "agent": {"timeout_sec": float(meta.get("max_agent_timeout_sec", 360.0))}})
     f = _Folder(folder, "terminal-bench-1", prompt, config, folder, _TB1_OWN, tests, solution, problems)
     return _build(f, out_dir, sandbox_cfg, validate, warn)
 
@@ -216,8 +219,10 @@ def _warnings(f: _Folder, warn) -> None:
             what = f"the compose services {', '.join(others)} are" if others else "any other compose services are"
             warn(f"{path}: kiln runs only the task's own container; {what} not started, so tests that talk to "
                  "them will fail")
-    if f.config.get("environment", {}).get("allow_internet"):
-        warn(f"{f.path}: the task allows internet access (allow_internet = true), but kiln's sandbox has no "
+    env = f.config.get("environment", {})
+    if env.get("allow_internet") or env.get("network_mode") in ("public", "allowlist"):
+        how = f"network_mode = {env['network_mode']!r}" if env.get("network_mode") else "allow_internet = true"
+        warn(f"{f.path}: the task allows internet access ({how}), but kiln's sandbox has no "
              "network: anything that needs it will fail")
 
 

@@ -1,5 +1,18 @@
-"""kiln task -> Harbor task folder. A task imported from Harbor (or Terminal-Bench 1) is rebuilt from
-its provenance; a kiln-made task gets a folder of its own (see harbor.py)."""
+"""kiln task -> Harbor task folder. A task imported from Harbor is rebuilt from its provenance (its own
+task.toml, Dockerfile, tests and solution, as they were); a kiln-made task gets a folder of its own
+(see harbor.py), whose task.toml follows Harbor's current task schema as `harbor tasks init` writes it:
+
+    schema_version = "1.3"          (Harbor 0.17+; `version = "1.0"` is the old spelling)
+    [task]        name = "kiln/<task id>" (Harbor's org/name), description, authors, keywords
+    [metadata]    difficulty, category, kiln_source
+    [verifier]    timeout_sec
+    [agent]       timeout_sec
+    [environment] build_timeout_sec, cpus, memory_mb, storage_mb (the template's values), and
+                  network_mode = "no-network": kiln's tests never download (the build may)
+
+with no empty keys (a key kiln has no value for is left out, as Harbor leaves out None). Its
+tests/test.sh writes Harbor's reward file and, as the template's pytest-json-ctrf does, a CTRF
+report of every test at /logs/verifier/ctrf.json (written by kiln's own parser: no download)."""
 from __future__ import annotations
 
 import inspect
@@ -35,6 +48,7 @@ def main(tests_dir, reward_path):
             rel = os.path.relpath(os.path.join(folder, name), files)
             os.makedirs(os.path.dirname(rel) or ".", exist_ok=True)
             shutil.copyfile(os.path.join(folder, name), rel)
+    start = time.time()
     try:
         r = subprocess.run(cfg["test_command"] + " -v", shell=True, stdout=subprocess.PIPE,
                            stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, timeout=cfg["timeout_s"])
@@ -43,6 +57,7 @@ def main(tests_dir, reward_path):
         log = "kiln: the tests timed out"
     sys.stdout.write(log + "\\n")
     st = parse_pytest(log)
+    write_ctrf(st, os.path.join(os.path.dirname(reward_path), "ctrf.json"), start, time.time())
     f2p = [st.get(i) in ("PASSED", "XFAIL") for i in cfg["fail_to_pass"]]
     p2p = [st.get(i) in ("PASSED", "XFAIL", "SKIPPED") for i in cfg["pass_to_pass"]]
     ok = bool(f2p) and all(f2p) and all(p2p)
@@ -56,13 +71,28 @@ if __name__ == "__main__":
 '''
 
 
+def write_ctrf(statuses: dict, path: str, start: float, stop: float) -> None:
+    """A CTRF test report (what pytest-json-ctrf writes for Harbor): each test's name and status."""
+    kind = {"PASSED": "passed", "XFAIL": "passed", "FAILED": "failed", "ERROR": "failed", "XPASS": "failed",
+            "SKIPPED": "skipped"}
+    tests = [{"name": name, "status": kind.get(st, "other"), "duration": 0, "rawStatus": st.lower()}
+             for name, st in statuses.items()]
+    summary = {"tests": len(tests), **{k: sum(t["status"] == k for t in tests)
+                                       for k in ("passed", "failed", "skipped", "pending", "other")},
+               "start": int(start * 1000), "stop": int(stop * 1000)}
+    report = {"reportFormat": "CTRF", "specVersion": "0.0.0",
+              "results": {"tool": {"name": "pytest"}, "summary": summary, "tests": tests}}
+    with open(path, "w") as f:
+        json.dump(report, f, indent=1)
+
+
 def grade_script() -> str:
     """tests/kiln_grade.py: kiln's own pytest outcome parser, copied in (the image has no kiln)."""
     return ('"""Written by kiln: grades a kiln task inside its Harbor environment (run by test.sh)."""\n'
-            "import json\nimport os\nimport re\nimport shutil\nimport subprocess\nimport sys\n\n"
+            "import json\nimport os\nimport re\nimport shutil\nimport subprocess\nimport sys\nimport time\n\n"
             f"_STATUS = {testrun._STATUS!r}\n_VERBOSE = re.compile({testrun._VERBOSE.pattern!r})\n"
             f"_SUMMARY = re.compile({testrun._SUMMARY.pattern!r})\nERROR = 'ERROR'\n\n\n"
-            + inspect.getsource(testrun.parse_pytest) + _GRADE_MAIN)
+            + inspect.getsource(testrun.parse_pytest) + "\n\n" + inspect.getsource(write_ctrf) + _GRADE_MAIN)
 
 
 def dump_toml(data: dict) -> str:
@@ -150,12 +180,36 @@ def export_harbor(task: Task, out_dir: str) -> str:
     return final
 
 
+SCHEMA_VERSION = "1.3"  # Harbor's task.toml schema (harborframework.com/docs/tasks)
+ORG = "kiln"  # the org of `[task] name = "org/name"`
+# What `harbor tasks init` writes where kiln has no value of its own.
+TEMPLATE_ENVIRONMENT = {"build_timeout_sec": 600.0, "cpus": 1, "memory_mb": 2048, "storage_mb": 10240}
+
+
+def prune(data):
+    """`data` without empty values (None, "", [], {}), at every depth: Harbor writes no empty keys."""
+    if isinstance(data, dict):
+        out = {k: prune(v) for k, v in data.items()}
+        return {k: v for k, v in out.items() if v not in (None, "", [], {})}
+    if isinstance(data, list):
+        return [prune(v) for v in data if v not in (None, "", [], {})]
+    return data
+
+
+def describe(prompt: str) -> str:
+    """The prompt's first non-blank line, cut at 200 characters: [task] description."""
+    line = next((ln.strip().lstrip("#").strip() for ln in prompt.splitlines() if ln.strip()), "")
+    return line if len(line) <= 200 else line[:199].rstrip() + "…"
+
+
 def _kiln_toml(task: Task) -> dict:
     level = "easy" if task.difficulty <= 1 else "medium" if task.difficulty == 2 else "hard"
-    return {"version": "1.0",
-            "metadata": {"author_name": "kiln", "difficulty": level, "category": task.category,
-                         "tags": ["kiln", task.category], "kiln_source": str(task.provenance.get("source", ""))},
-            "verifier": {"timeout_sec": float(task.timeout_s)},
-            "agent": {"timeout_sec": 1800.0},
-            "environment": {"build_timeout_sec": 600.0, "cpus": 1, "memory_mb": 2048, "storage_mb": 10240,
-                            "allow_internet": False}}
+    return prune({
+        "schema_version": SCHEMA_VERSION,
+        "task": {"name": f"{ORG}/{task.id}", "description": describe(task.prompt), "authors": [{"name": "kiln"}],
+                 "keywords": ["kiln", task.category]},
+        "metadata": {"difficulty": level, "category": task.category,
+                     "kiln_source": str(task.provenance.get("source", ""))},
+        "verifier": {"timeout_sec": float(task.timeout_s)},
+        "agent": {"timeout_sec": 1800.0},
+        "environment": {**TEMPLATE_ENVIRONMENT, "network_mode": "no-network"}})

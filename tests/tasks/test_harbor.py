@@ -1,8 +1,10 @@
 """Harbor / Terminal-Bench folders: import, round trip, and the two graders agreeing, in real sandboxes."""
 from __future__ import annotations
 
+import json
 import os
 import textwrap
+import tomllib
 
 import pytest
 
@@ -13,12 +15,19 @@ from kiln.tasks.harbor import (REWARD_ID, export_harbor, grade_harbor, import_ha
                                sandbox_config)
 from kiln.tasks.patch import make_patch
 from kiln.tasks.record import Task, TaskError, load_task, save_task
-from kiln.tasks.validate import apply_patch_in
+from kiln.tasks.harbor_env import RUN_ROOT, TEST_COMMAND
+from kiln.tasks.validate import apply_patch_in, write_hidden_tests
 
 from .roundtrip import read, record
 
 BUGGY = "def add(a, b):\n    return a - b\n\n\ndef mul(a, b):\n    return a * b\n"
-TASK_TOML = """version = "1.0"
+TASK_TOML = """schema_version = "1.3"
+
+[task]
+name = "kiln-tests/add-fix"
+description = "Make add() add"
+authors = [{ name = "kiln tests", email = "tests@kiln.invalid" }]
+keywords = ["python", "arithmetic"]
 
 [metadata]
 author_name = "kiln tests"
@@ -195,11 +204,38 @@ def test_kiln_task_exports_to_harbor_and_back(tmp_path, tcfg):
     out = export_harbor(task, str(tmp_path / "h"))
     assert "FROM python:3.11-slim" in read(out, "environment", "Dockerfile")
     assert os.access(os.path.join(out, "solution", "solve.sh"), os.X_OK)
+    # Harbor's current task schema, as `harbor tasks init` writes it, with no empty keys
+    toml = read(out, "task.toml")
+    cfg = tomllib.loads(toml)
+    assert toml.startswith('schema_version = "1.3"\n\n[task]\n') and "version" not in cfg
+    assert cfg["task"] == {"name": "kiln/calc-1", "description": "add is wrong", "authors": [{"name": "kiln"}],
+                           "keywords": ["kiln", "bugfix"]}
+    assert cfg["metadata"] == {"difficulty": "hard", "category": "bugfix"}  # no kiln_source = ""
+    assert cfg["environment"] == {"build_timeout_sec": 600.0, "cpus": 1, "memory_mb": 2048, "storage_mb": 10240,
+                                  "network_mode": "no-network"}
+    assert (cfg["verifier"], cfg["agent"]) == ({"timeout_sec": 300.0}, {"timeout_sec": 1800.0})
+
     back = import_harbor(out, str(tmp_path / "k"), tcfg, validate=True)
     assert back.fail_to_pass == [REWARD_ID, "tests/test_calc.py::test_add"]  # sorted by validate
     assert back.pass_to_pass == ["tests/test_calc.py::test_mul"] and back.difficulty == 3
     assert back.solution.replace("diff --git a/calc.py b/calc.py\n", "") == task.solution
     graders_agree(back, tcfg)
+    # the exported tests/test.sh writes a CTRF report of every test beside the reward
+    with create(Snapshot.from_dir(back.repo_dir, tcfg.state_dir), tcfg) as sb:
+        apply_patch_in(sb, back.solution)
+        write_hidden_tests(sb, back)
+        assert sb.exec(f"mkdir -p {RUN_ROOT} && {TEST_COMMAND}").exit_code == 0
+        ctrf = json.loads(sb.read_text(f"{RUN_ROOT}/logs/verifier/ctrf.json"))
+    assert ctrf["results"]["tool"] == {"name": "pytest"}
+    assert {k: ctrf["results"]["summary"][k] for k in ("tests", "passed", "failed")} == {
+        "tests": 2, "passed": 2, "failed": 0}
+    assert sorted(t["name"] for t in ctrf["results"]["tests"]) == ["tests/test_calc.py::test_add",
+                                                                   "tests/test_calc.py::test_mul"]
+    # round trip: the imported task exports to the same folder
+    again = export_harbor(back, str(tmp_path / "h2"))
+    for rel in ("task.toml", "instruction.md", "environment/Dockerfile", "tests/test.sh", "tests/kiln_grade.py",
+                "tests/kiln.json", "solution/solve.sh"):
+        assert read(again, rel) == read(out, rel), rel
 
 
 def test_dockerfile_subset_builds_and_reverses(tmp_path):
