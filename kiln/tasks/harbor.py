@@ -39,7 +39,7 @@ from .harbor_env import (
     verify_script,
 )
 from .harbor_export import SCHEMA_VERSION, describe, export_harbor, prune
-from .harbor_scripts import TB1_DEFAULT, check_script, offline_tb1_tests
+from .harbor_scripts import TB1_DEFAULT, check_script, offline_tests
 from .patch import gold_stats
 from .record import CATEGORIES, Problems, Task, TaskError, save_task
 
@@ -77,6 +77,7 @@ class _Folder:
     tests: dict
     solution: dict
     problems: Problems
+    original_tests: dict | None = None  # test files as written, where kiln runs a rewritten one (export)
 
 
 def _read_files(root: str) -> dict[str, bytes]:
@@ -158,10 +159,15 @@ def import_harbor(folder: str, out_dir: str, sandbox_cfg=None, validate: bool = 
             problems.add(f"{folder}: no environment/Dockerfile (kiln provides the environment it describes)")
     prompt = _text(os.path.join(folder, "instruction.md")) if _has(folder, "instruction.md") else ""
     tests = _read_files(os.path.join(folder, "tests"))
+    original = {}
     if "test.sh" in tests:
-        check_script(tests["test.sh"].decode("utf-8", "replace"), os.path.join(folder, "tests", "test.sh"), problems)
+        path, text = os.path.join(folder, "tests", "test.sh"), tests["test.sh"].decode("utf-8", "replace")
+        offline = offline_tests(text, path, problems)
+        check_script(offline, path, problems)
+        if offline.rstrip("\n") != text.rstrip("\n"):  # the boilerplate fetched tools: run what kiln has
+            tests["test.sh"], original["test.sh"] = offline.encode(), text
     f = _Folder(folder, "harbor", prompt, config, env_dir, {"Dockerfile"}, tests,
-                _read_files(os.path.join(folder, "solution")), problems)
+                _read_files(os.path.join(folder, "solution")), problems, original)
     return _build(f, out_dir, sandbox_cfg, validate, warn)
 
 
@@ -186,7 +192,7 @@ def import_tb1(folder: str, out_dir: str, sandbox_cfg=None, validate: bool = Fal
     tests = _read_files(os.path.join(folder, "tests"))
     run_tests = os.path.join(folder, "run-tests.sh")
     script = _text(run_tests) if os.path.isfile(run_tests) else f"#!/bin/bash\n{TB1_DEFAULT}\n"
-    script = offline_tb1_tests(script, run_tests, problems)
+    script = offline_tests(script, run_tests, problems)
     check_script(script, run_tests, problems)
     tests["run-tests.sh"] = script.encode()
     tests["test.sh"] = _TB1_TEST_SH.encode()
@@ -291,6 +297,8 @@ def _build(f: _Folder, out_dir: str, cfg, validate: bool, warn) -> Task:
                   "solution_files": _texts(f.solution, f.path)}
         if built:
             harbor["environment"] = built.to_dict()
+        if f.original_tests:
+            harbor["original_tests"] = f.original_tests
         task = Task(id=_task_id(f.path), prompt=f.prompt, category=category, test_command=TEST_COMMAND,
                     fail_to_pass=[REWARD_ID], difficulty=_DIFFICULTY.get(str(meta.get("difficulty", "")).lower(), 1),
                     timeout_s=float(verifier.get("timeout_sec", 300.0)),

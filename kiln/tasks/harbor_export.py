@@ -153,10 +153,12 @@ def export_harbor(task: Task, out_dir: str) -> str:
             _write(os.path.join(env, rel), text)
         _write(os.path.join(env, "Dockerfile"), h["dockerfile"])
         _write(os.path.join(tmp, "task.toml"), dump_toml(h["task_toml"]))
+        original = h.get("original_tests", {})  # a test.sh kiln runs rewritten goes back as written
         for rel, data in hidden.items():
             if rel.startswith(TESTS_DIR + "/"):
+                name = rel[len(TESTS_DIR) + 1:]
                 mode = 0o755 if rel.endswith(".sh") else 0o644
-                _write(os.path.join(tmp, "tests", rel[len(TESTS_DIR) + 1:]), data, mode)
+                _write(os.path.join(tmp, "tests", name), original.get(name, data), mode)
         solution = dict(h["solution_files"])
         if not solution and task.solution:
             solution["solve.sh"] = solve_script(task, h["workdir"])

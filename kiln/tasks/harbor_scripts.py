@@ -1,7 +1,10 @@
 """Test scripts of Harbor / Terminal-Bench tasks against kiln's sandbox, which has no network but
-already has pytest and kiln's packages: `check_script` finds the lines that need the network;
-`offline_tb1_tests` rewrites Terminal-Bench 1's usual run-tests.sh boilerplate (install curl, uv and
-pytest, make a venv, `uv run pytest ...`) into kiln's `python -m pytest ...` with the same arguments.
+already has pytest (kiln's, or the Debian base's in a built root): `check_script` finds the lines that
+need the network; `offline_tests` rewrites the usual boilerplate into `python -m pytest ...` with the
+same arguments: Terminal-Bench 1's run-tests.sh (install curl, uv and pytest, make a venv, `uv run
+pytest ...`) and Harbor's test.sh as `harbor tasks init` writes it (install curl and uv, then `uvx -p 3.13
+-w pytest==8.4.1 -w pytest-json-ctrf==0.3.5 pytest --ctrf /logs/verifier/ctrf.json /tests/... -rA`,
+also inside `if ...; then`): the CTRF report is Harbor's log, not its reward, so it is left out.
 """
 from __future__ import annotations
 
@@ -27,6 +30,11 @@ _FETCH_TOOLS = [re.compile(p) for p in (
 _INSTALL = re.compile(r"^(?:uv\s+pip\s+install|uv\s+add|(?:python3?\s+-m\s+)?pip3?\s+install)\s+(.*)$")
 _RUNNER = re.compile(r"^(?:uv\s+run\s+(?:python3?\s+-m\s+)?pytest|python3?\s+-m\s+pytest|pytest)(\s.*)?$")
 _TB1_RUN_HELPER = re.compile(r"^(bash|source|\.)?\s*\S*run-uv-pytest\.sh$")
+# uvx [-p PY | --python PY | -w PKG | --with PKG]... pytest ARGS: Harbor's template runner.
+_UVX = re.compile(r"^uvx\s+(?P<opts>(?:(?:-p|--python|-w|--with)\s+\S+\s+)*)pytest(?P<args>\s.*)?$")
+_CTRF = re.compile(r"\s--ctrf(?:=|\s+)\S+")
+_CTRF_PLUGIN = "pytest-json-ctrf"  # writes Harbor's CTRF log; kiln's verifier reads the reward
+_KEYWORD = re.compile(r"^(?P<kw>(?:if|then|elif|else|do|!)\s+)(?P<rest>.*)$")
 _CURL_ONLY = {"curl", "ca-certificates"}
 
 
@@ -53,33 +61,55 @@ def _logical_lines(text: str):
         yield start, count, buf
 
 
-def offline_tb1_tests(text: str, where: str, problems: Problems) -> str:
-    """run-tests.sh with its tool-fetching boilerplate dropped and its pytest run as kiln's `python
-    -m pytest` (same arguments). Line numbers stay as written, so later problems name the right line.
+def offline_tests(text: str, where: str, problems: Problems) -> str:
+    """A test script with its tool-fetching boilerplate dropped and its pytest run as `python -m
+    pytest` (same arguments). Line numbers stay as written, so later problems name the right line.
     Installing a package kiln's environment lacks is a problem; anything else is left for
     `check_script` to judge."""
     out = []
     for n, count, line in _logical_lines(text):
         body = line.split(" #")[0].strip()
-        # Split `a && b; c` only when no quotes could hide a separator.
-        cmds = re.split(r"\s*(?:&&|;)\s*", body) if not re.search(r"[\"'`]", body) else [body]
+        # Split `a && b; c` (keeping the separators) only when no quotes could hide one.
+        parts = re.split(r"(\s*(?:&&|;)\s*)", body) if not re.search(r"[\"'`]", body) else [body]
+        cmds, seps = parts[0::2], parts[1::2]
         fail = functools.partial(refuse, where, n, body)
-        kept = [k for k in (problems.check(_offline_command, c, fail) for c in cmds) if k]
-        if body and kept != cmds:
-            line = " && ".join(kept) or f"# (kiln skipped `{body[:80]}`: it fetches tools the sandbox already has)"
+        new = [problems.check(_keyword_command, c, fail) or "" for c in cmds]
+        if body and new != cmds:
+            kept = [(sep, c) for sep, c in zip(["", *seps], new) if c]
+            line = "".join(sep + c for sep, c in kept).lstrip("&; ") or \
+                f"# (kiln skipped `{body[:80]}`: it fetches tools the sandbox already has)"
         out += [line] + [""] * (count - 1)
     return "\n".join(out) + "\n"
 
 
+offline_tb1_tests = offline_tests  # the name it had when only Terminal-Bench 1's scripts were rewritten
+
+
+def _keyword_command(cmd: str, fail) -> str:
+    """A command that may start with a shell keyword (`if uvx ...`, `then ...`): the keyword stays."""
+    m = _KEYWORD.match(cmd)
+    if m:
+        rest = _offline_command(m["rest"], fail)
+        return m["kw"] + rest if rest else ("" if m["kw"].strip() not in ("if", "elif", "!") else m["kw"] + "true")
+    return _offline_command(cmd, fail)
+
+
 def _offline_command(cmd: str, fail) -> str:
-    """One command of run-tests.sh -> what kiln runs instead ("" to drop it)."""
+    """One command of a test script -> what kiln runs instead ("" to drop it)."""
     if not cmd or any(p.match(cmd) for p in _FETCH_TOOLS):
         return ""
+    m = _UVX.match(cmd)
+    if m:
+        opts = m["opts"].split()
+        for flag, pkg in zip(opts[0::2], opts[1::2]):
+            if flag in ("-w", "--with") and not pkg.startswith(_CTRF_PLUGIN):
+                check_package(pkg, fail)
+        return "python -m pytest" + _CTRF.sub("", m["args"] or "")
     if _TB1_RUN_HELPER.match(cmd):
         return TB1_DEFAULT
     m = _RUNNER.match(cmd)
     if m:
-        return "python -m pytest" + (m.group(1) or "")
+        return "python -m pytest" + _CTRF.sub("", m.group(1) or "")
     try:
         words = shlex.split(cmd)
     except ValueError:
@@ -96,7 +126,7 @@ def _offline_command(cmd: str, fail) -> str:
             raise fail("installing from a file, a local path or a URL cannot be checked against kiln's "
                        "environment: name the packages instead")
         for spec in specs:
-            if spec.split("=")[0].split("<")[0].split(">")[0] != "uv":  # uv itself: the boilerplate's own
+            if spec.split("=")[0].split("<")[0].split(">")[0] not in ("uv", _CTRF_PLUGIN):  # the boilerplate's own
                 check_package(spec, fail)
         return ""
     return cmd

@@ -142,9 +142,13 @@ def test_harbor_import_round_trip_and_graders_agree(tmp_path, tcfg):
 
 def test_unsupported_environment_is_a_clear_error(tmp_path):
     folder = harbor_folder(tmp_path / "net")
-    write(folder, {"tests/test.sh": "apt-get update\ncurl -LsSf https://astral.sh/uv/install.sh | sh\n" + TEST_SH})
-    with pytest.raises(TaskError, match=r"test.sh:1: kiln cannot provide `apt-get update`: apt-get needs the network"):
+    # The uv boilerplate is dropped (tests/tasks/test_harbor_import.py); what the tests themselves fetch is not.
+    write(folder, {"tests/test.sh": "apt-get update\napt-get install -y jq\ncurl -LsSf https://astral.sh/uv/install.sh "
+                   "| sh\ncurl -sO https://example.com/expected.json\n" + TEST_SH})
+    with pytest.raises(TaskError) as e:
         import_harbor(folder, str(tmp_path / "o"))
+    assert "2 problems" in str(e.value) and "test.sh:2: kiln cannot provide `apt-get install -y jq`: apt-get needs " \
+        "the network" in str(e.value) and "test.sh:4: kiln cannot provide `curl -sO" in str(e.value)
     # What the host cannot provide is built (tests/tasks/test_env_build.py); what no build can map is refused.
     with pytest.raises(TaskError, match=r"Dockerfile:11: kiln cannot provide `FROM node:20`: a second FROM"):
         import_harbor(harbor_folder(tmp_path / "x", DOCKERFILE + "FROM node:20\n"), str(tmp_path / "o"))

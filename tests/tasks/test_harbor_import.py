@@ -89,6 +89,39 @@ def test_tb1_boilerplate_runs_kilns_pytest_at_the_workdir(tmp_path, tcfg):
         snap.drop()
 
 
+HARBOR_TEST_SH = """#!/bin/bash
+apt-get update
+apt-get install -y curl
+curl -LsSf https://astral.sh/uv/0.9.7/install.sh | sh
+source $HOME/.local/bin/env
+uvx \\
+  -p 3.13 \\
+  -w pytest==8.4.1 \\
+  -w pytest-json-ctrf==0.3.5 \\
+  pytest --ctrf /logs/verifier/ctrf.json /tests/test_outputs.py -rA
+if [ $? -eq 0 ]; then echo 1 > /logs/verifier/reward.txt; else echo 0 > /logs/verifier/reward.txt; fi
+"""
+
+
+def test_harbor_template_boilerplate_runs_pytest_offline():
+    """Harbor's test.sh as `harbor tasks init` writes it (and its `if uvx ...; then` form) runs the same
+    tests with `python -m pytest`; the CTRF plugin and option go, other packages are still checked."""
+    from kiln.tasks.harbor_scripts import check_script, offline_tests
+    from kiln.tasks.record import Problems
+    problems = Problems("t")
+    out = offline_tests(HARBOR_TEST_SH, "test.sh", problems)
+    run = [ln for ln in out.splitlines() if ln and not ln.startswith("#")]
+    assert run == ["python -m pytest /tests/test_outputs.py -rA", HARBOR_TEST_SH.splitlines()[-1]], out
+    assert len(out.splitlines()) == len(HARBOR_TEST_SH.splitlines()) and not problems.items
+    check_script(out, "test.sh", problems)
+    assert not problems.items
+    inline = "if uvx --with pytest==8.4.1 --with pytest-json-ctrf==0.3.5 pytest --ctrf /logs/verifier/ctrf.json " \
+             "/tests/test_outputs.py -rA; then\n  echo 1 > /logs/verifier/reward.txt\nfi\n"
+    assert offline_tests(inline, "t", problems).splitlines()[0] == "if python -m pytest /tests/test_outputs.py -rA; then"
+    offline_tests(inline.replace("--with pytest==8.4.1", "--with pandas==2.0.3"), "test.sh", problems)
+    assert len(problems.items) == 1 and "the package 'pandas' is not installed" in problems.items[0]
+
+
 def test_tb1_real_needs_are_still_refused(tmp_path):
     needs = TB1_RUN_TESTS.replace("apt-get install -y curl", "apt-get install -y curl jq").replace(
         "pytest==8.4.1", "pytest==8.4.1 pandas==2.0.3")
