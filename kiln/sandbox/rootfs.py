@@ -5,7 +5,8 @@ Three kinds of root, by the spec:
   Python installation;
 - a built environment (`rootfs`: layer trees, top first): those layers as one read-only overlay,
   the task's own Debian root, with nothing of the host but `ro_binds`;
-- a build step (`build`): the workspace overlay itself is the root, writable, with the host's DNS
+- a build step (`build`): the workspace overlay itself is the root, writable (its /tmp included, as in
+  a Docker build), with the host's DNS
   resolver and CA bundle (the network is the host's, see zygote.py); what a command changes is the
   next layer.
 Then a writable workspace (the overlay) at `workdir`, a private /tmp and a minimal /dev. Nothing
@@ -84,9 +85,14 @@ def build_and_enter(box: str, spec: dict) -> None:
     else:
         ns.mount("tmpfs", root, "tmpfs", ns.MS_NOSUID | ns.MS_NODEV, "size=1m,mode=0755")
     # The private /tmp and /dev first: a bind below them (a virtual environment under /tmp, say)
-    # must land on top of them, not be hidden by them.
-    tmp_opts = f"size={spec['tmp_mb']}m,mode=1777"
-    ns.mount("tmpfs", _mkpoint(root, "/tmp", True), "tmpfs", ns.MS_NOSUID | ns.MS_NODEV, tmp_opts)
+    # must land on top of them, not be hidden by them. A build step's /tmp is the image's, as in a
+    # Docker build: a file COPY puts there is what the next RUN reads (and stays in the layer).
+    if build:
+        os.makedirs(root + "/tmp", exist_ok=True)
+        os.chmod(root + "/tmp", 0o1777)
+    else:
+        tmp_opts = f"size={spec['tmp_mb']}m,mode=1777"
+        ns.mount("tmpfs", _mkpoint(root, "/tmp", True), "tmpfs", ns.MS_NOSUID | ns.MS_NODEV, tmp_opts)
     dev = _mkpoint(root, "/dev", True)
     ns.mount("tmpfs", dev, "tmpfs", ns.MS_NOSUID, f"size={spec['tmp_mb']}m,mode=0755")
     for name in DEVICES:

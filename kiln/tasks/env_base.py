@@ -4,7 +4,13 @@
     <cache>/layers/<suite>-<hash>/tree    a base, stored as a sandbox layer (kiln/sandbox/snapshot.py)
     <cache>/layers/<key>/tree             the layers built on top of it (env_build.py)
 
-A base is minbase plus Python and pytest (PACKAGES), with three files of kiln's own (KILN_FILES). Its id hashes everything that went into it, so a change makes a new base.
+A base is minbase plus Python and pytest (PACKAGES) and fakeroot, with three files of kiln's own
+(KILN_FILES). Its id hashes everything that went into it, so a change makes a new base.
+
+fakeroot: a build step's sandbox maps one user id (root), so a package script that gives a file to
+another owner or group fails there (openssh-client, which `apt-get install git` brings, runs `chgrp
+_ssh ssh-agent`: "Invalid argument"). env_build runs a root RUN under fakeroot (FAKEROOTDONTTRYCHOWN),
+which takes such changes without making them: the files stay root's, as the one id there is.
 """
 from __future__ import annotations
 
@@ -25,7 +31,7 @@ DEFAULT_SUITE = "trixie"  # what ubuntu:24.04, today's python:3.1x and Terminal-
 VARIANT = "minbase"
 # Python and pytest: kiln's verifier runs `python`, and the tests it maps Terminal-Bench's boilerplate to
 # (and most Python tasks' tests) run `python -m pytest`.
-PACKAGES = ("python3", "python-is-python3", "python3-pytest")
+PACKAGES = ("python3", "python-is-python3", "python3-pytest", "fakeroot")
 KILN_FILES = {
     # The sandbox maps one user id, so apt cannot drop privileges to its _apt user.
     "etc/apt/apt.conf.d/00kiln-sandbox": ('APT::Sandbox::User "root";\n', 0o644),

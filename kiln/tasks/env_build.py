@@ -354,7 +354,9 @@ def _build_layer(cache: str, layers: list[str], step: Step, plan: list, key: str
     with create(Snapshot(cache, tuple(layers)), cfg, build=True) as sb:
         if step.op == "RUN":
             wd = shlex.quote(step.workdir)
-            r = sb.exec(f"mkdir -p {wd} && cd {wd} && exec {shlex.join(step.args)}", timeout_s=timeout_s,
+            # As root, under fakeroot: a chown to an id the sandbox does not map is taken, not made (env_base.py).
+            fake = "env FAKEROOTDONTTRYCHOWN=1 fakeroot -- " if uid == 0 else ""
+            r = sb.exec(f"mkdir -p {wd} && cd {wd} && exec {fake}{shlex.join(step.args)}", timeout_s=timeout_s,
                         idle_timeout_s=timeout_s)
             if r.exit_code or r.timed_out:
                 how = "timed out" if r.timed_out else f"exit {r.exit_code}"

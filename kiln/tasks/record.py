@@ -172,6 +172,19 @@ def load_suite(path: str) -> list[Task]:
     return [load_task(os.path.join(path, d)) for d in dirs]
 
 
+def _ignore_for(root: str):
+    """What a task's repo/ leaves out: caches, and the repository's own history (its top-level .git: no
+    future commits). A git repository further down is the task's data (a Harbor image's /app/repo)."""
+    caches = shutil.ignore_patterns("__pycache__", ".pytest_cache")
+
+    def ignore(folder: str, names: list[str]) -> set[str]:
+        out = set(caches(folder, names))
+        if os.path.samefile(folder, root):
+            out |= {".git"} & set(names)
+        return out
+    return ignore
+
+
 def save_task(task: Task, out_dir: str, repo_src: str | None = None, hidden: dict[str, bytes | str] | None = None,
               solution: str | None = None) -> Task:
     """Write a task folder atomically (built beside, renamed into place)."""
@@ -181,8 +194,7 @@ def save_task(task: Task, out_dir: str, repo_src: str | None = None, hidden: dic
     shutil.rmtree(tmp, ignore_errors=True)
     os.makedirs(tmp)
     if repo_src is not None:
-        shutil.copytree(repo_src, os.path.join(tmp, "repo"), symlinks=True,
-                        ignore=shutil.ignore_patterns(".git", "__pycache__", ".pytest_cache"))
+        shutil.copytree(repo_src, os.path.join(tmp, "repo"), symlinks=True, ignore=_ignore_for(repo_src))
     for rel, data in (hidden or {}).items():
         dst = os.path.join(tmp, "tests", rel)
         os.makedirs(os.path.dirname(dst), exist_ok=True)

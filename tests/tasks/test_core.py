@@ -1,6 +1,8 @@
 """Task records, test-outcome parsing, validation by execution and correctness grading."""
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from kiln.grading.correctness import grade_correctness, is_test_path
@@ -113,3 +115,15 @@ def test_correctness_resolved_unresolved_and_test_tampering(tmp_path, tcfg):
         assert g["resolved"] is True and g["p2p_kept"] == 1
         assert sb.read_text("tests/test_calc.py").startswith("def test_add")  # grading used a fork
     assert is_test_path("pkg/tests/util.py") and is_test_path("test_x.py") and not is_test_path("pkg/x.py")
+
+
+def test_saved_repo_drops_its_history_but_keeps_a_nested_repository(tmp_path):
+    """repo/ has no future commits (the top-level .git goes); a repository inside it is the task's data
+    (a Harbor image's /app/repo with its .git, which a task may ask about)."""
+    src = tmp_path / "src"
+    for rel in (".git/HEAD", "data/repo/.git/HEAD", "data/repo/a.txt", "pkg/__pycache__/m.pyc", "pkg/m.py"):
+        (src / rel).parent.mkdir(parents=True, exist_ok=True)
+        (src / rel).write_text("x\n")
+    task = save_task(Task(id="t", prompt="p"), str(tmp_path / "suite"), repo_src=str(src))
+    kept = sorted(os.path.relpath(os.path.join(d, f), task.repo_dir) for d, _, fs in os.walk(task.repo_dir) for f in fs)
+    assert kept == ["data/repo/.git/HEAD", "data/repo/a.txt", "pkg/m.py"]

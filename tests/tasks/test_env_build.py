@@ -117,6 +117,24 @@ def test_layers_built_once_and_shared(cache, tmp_path):
     assert out.split("\n")[:6] == ["/app", "hello kiln", "hello from /app", "x", "755", "hello/"], out
 
 
+def test_build_steps_keep_tmp_and_take_other_owners(cache, tmp_path):
+    """As in a Docker build: a file COPY puts in /tmp is there for the next RUN, and a package script
+    giving a file to another group (openssh-client's `chgrp _ssh`, brought by `apt-get install git`) does
+    not fail, though the build sandbox maps one id (root RUN steps run under fakeroot)."""
+    ctx = write(tmp_path / "ctx", {"schema.txt": "rows\n"})
+    text = ("FROM debian:trixie\nWORKDIR /app\nCOPY schema.txt /tmp/schema.txt\n"
+            "RUN cp /tmp/schema.txt /app/data.txt && rm /tmp/schema.txt\n"
+            "RUN groupadd -g 4242 ssh-like && touch /usr/local/bin/agent && chgrp ssh-like /usr/local/bin/agent "
+            "&& chown 4243:4242 /usr/local/bin/agent && chmod 2755 /usr/local/bin/agent && echo chgrp-ok > /app/ok.txt\n")
+    env = env_build.build(env_build.parse(text, "Dockerfile"), str(ctx), cache, log=lambda m: None)
+    repo = str(tmp_path / "repo")
+    env_build.export_workdir(env, cache, repo)
+    assert sorted(os.listdir(repo)) == ["data.txt", "ok.txt"]
+    out = run_in(env, cache, str(tmp_path / "state"), repo, "cat data.txt ok.txt; ls /tmp | wc -l; "
+                 "stat -c '%U %a' /usr/local/bin/agent; env | grep -c -i fakeroot")
+    assert out.split("\n")[:5] == ["rows", "chgrp-ok", "0", "root 2755", "0"], out  # root's, as the one id there
+
+
 def test_user_and_network_only_while_building(cache, tmp_path):
     class Handler(http.server.BaseHTTPRequestHandler):
         def do_GET(self):
