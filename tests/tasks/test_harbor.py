@@ -11,11 +11,17 @@ import pytest
 from kiln.grading.correctness import grade_correctness
 from kiln.sandbox import Snapshot, create
 from kiln.tasks import dockerfile
-from kiln.tasks.harbor import (REWARD_ID, export_harbor, grade_harbor, import_harbor, import_tb1,
-                               sandbox_config)
+from kiln.tasks.harbor import (
+    REWARD_ID,
+    export_harbor,
+    grade_harbor,
+    import_harbor,
+    import_tb1,
+    sandbox_config,
+)
+from kiln.tasks.harbor_env import RUN_ROOT, TEST_COMMAND
 from kiln.tasks.patch import make_patch
 from kiln.tasks.record import Task, TaskError, load_task, save_task
-from kiln.tasks.harbor_env import RUN_ROOT, TEST_COMMAND
 from kiln.tasks.validate import apply_patch_in, write_hidden_tests
 
 from .roundtrip import read, record
