@@ -7,8 +7,11 @@ costs) and a bare `subprocess.run("true")` (the floor for running any command).
 
 The last line is `name=value` pairs: create_p50_ms, fork_p50_ms, exec_overhead_p50_ms,
 copy_speedup (copy p50 / create p50), fork_copy_speedup (copy p50 / fork p50), and more.
-create_env: the same sandbox over a built task environment (the Debian base of `kiln env build-base`
-as its root, instead of the host's system directories); skipped when that base is not built.
+create_env: the same sandbox created from a built task environment instead of the host's system
+directories: by default the pandas fixture's (tests/tasks/fixtures/pandas-total: the Debian base, an
+apt layer of python3-pandas, a COPY; `kiln env build` builds it), with its WORKDIR, ENV and user as a
+task gets them (Task.sandbox_config), else the bare Debian base of `kiln env build-base`; --env DIR
+names another build context or Harbor task folder, which must be built. Skipped when none is built.
 """
 from __future__ import annotations
 
@@ -24,7 +27,9 @@ import time
 from kiln.config import SandboxConfig
 from kiln.sandbox import Snapshot, create
 from kiln.sandbox.service import stop_service
-from kiln.tasks import env_base
+from kiln.tasks import env_base, env_build
+
+FIXTURE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests", "tasks", "fixtures", "pandas-total")
 
 
 def make_repo(root: str, n_files: int, seed: int = 0) -> int:
@@ -52,10 +57,34 @@ def pct(xs: list[float], q: float) -> float:
     return xs[min(len(xs) - 1, int(round(q * (len(xs) - 1))))]
 
 
+def built_env(cfg: SandboxConfig, folder: str) -> SandboxConfig | None:
+    """`cfg` over the environment `folder` describes, when its layers are built, else over the bare
+    Debian base, else None (with a line saying why)."""
+    cache = env_base.cache_dir()
+    context = os.path.join(folder, "environment") if os.path.isdir(os.path.join(folder, "environment")) else folder
+    try:
+        with open(os.path.join(context, "Dockerfile")) as f:
+            recipe = env_build.parse(f.read(), "Dockerfile")
+        if not env_build.missing(recipe, context, cache):
+            env = env_build.build(recipe, context, cache, log=lambda m: None)  # every layer a cache hit
+            print(f"create_env: {env.image} as Debian {env.suite}, {len(env.layers)} layers, WORKDIR {env.workdir}")
+            return cfg.model_copy(update={"rootfs": env.trees(cache), "workdir": env.workdir, "env": env.env,
+                                          "uid": env.uid, "gid": env.gid})
+    except (OSError, ValueError) as e:
+        print(f"create_env: {folder}: {e}")
+    layer = env_base.base_id(env_base.DEFAULT_SUITE)
+    if env_base.have_layer(cache, layer):
+        print(f"create_env: {folder} is not built (kiln env build): the bare Debian {env_base.DEFAULT_SUITE} base")
+        return cfg.model_copy(update={"rootfs": [env_base.layer_tree(cache, layer)], "workdir": "/app"})
+    print(f"no Debian base in {cache} (kiln env build-base): create_env skipped")
+    return None
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--files", type=int, default=3000)
     ap.add_argument("--n", type=int, default=40, help="samples per measurement")
+    ap.add_argument("--env", default=FIXTURE, help="a built environment's build context or Harbor task folder")
     args = ap.parse_args()
     work = tempfile.mkdtemp(prefix="kiln-bench-")
     cfg = SandboxConfig(state_dir=os.path.join(work, "state"))
@@ -67,13 +96,9 @@ def main() -> None:
         create(base, cfg).close()  # starts the per-process sandbox service once
 
         res: dict[str, list[float]] = {k: [] for k in ("create", "exec", "bare", "fork", "snapshot", "close", "copy")}
-        cache, layer = env_base.cache_dir(), env_base.base_id(env_base.DEFAULT_SUITE)
-        env_cfg = None
-        if env_base.have_layer(cache, layer):
-            env_cfg = cfg.model_copy(update={"rootfs": [env_base.layer_tree(cache, layer)], "workdir": "/app"})
+        env_cfg = built_env(cfg, args.env)
+        if env_cfg is not None:
             res["create_env"] = []
-        else:
-            print(f"no Debian base in {cache} (kiln env build-base): create_env skipped")
         for i in range(args.n):
             box = None
 
