@@ -43,7 +43,13 @@ def connect(ray_cfg, min_cpus: float = 0) -> bool:
     try:
         if address:
             _probe(address)
-            ray.init(address=address, log_to_driver=True, configure_logging=False)
+            _token_auth()
+            try:
+                ray.init(address=address, log_to_driver=True, configure_logging=False)
+            except ConnectionError as e:  # it speaks gRPC (the probe) but did not let us in
+                raise ConnectionError(f"{e}; if the cluster uses token authentication (Ray turns it on when the "
+                                      f"head has ~/.ray/auth_token), give this machine the same token: copy the "
+                                      f"head's ~/.ray/auth_token here, or set RAY_AUTH_TOKEN") from None
         else:
             ncpu = ray_cfg.num_cpus or max(len(os.sched_getaffinity(0)), int(-(-min_cpus // 1)))
             # A one-machine Ray binds to loopback only. Ray takes the host's routable address unless
@@ -96,10 +102,35 @@ def _probe(address: str) -> None:
         raise ValueError(f"{str(e).rstrip('.')}; give HEAD_HOST:PORT, the address `ray start --head` printed "
                          f"(port 6379 by default)") from None
     try:
-        socket.create_connection((host, port), timeout=PROBE_S).close()
+        conn = socket.create_connection((host, port), timeout=PROBE_S)
     except OSError as e:
         raise ConnectionError(f"nothing answers at {host}:{port} ({e.strerror or e or 'timed out'}): is `ray start "
                               f"--head` running there, and is the port reachable from this machine?") from None
+    try:  # Ray's GCS is a gRPC server: to HTTP/2's preface it answers with a SETTINGS frame (type 4)
+        conn.settimeout(PROBE_S)
+        conn.sendall(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + bytes([0, 0, 0, 4, 0, 0, 0, 0, 0]))
+        first = conn.recv(9)
+    except OSError:
+        first = b""
+    finally:
+        conn.close()
+    if len(first) < 4 or first[3] != 4:
+        raise ConnectionError(f"{host}:{port} takes connections but is not a Ray head's GCS (it "
+                              f"{'answered ' + repr(first[:16]) if first else 'said nothing'}): give the port "
+                              f"`ray start --head` printed (6379 by default), not the dashboard's (8265)")
+
+
+def _token_auth() -> None:
+    """Send the token of ~/.ray/auth_token (or $RAY_AUTH_TOKEN) when this machine has one, as ray.init
+    does for address="auto" but not for an explicit address: a cluster whose head has the token
+    requires it, and one without token authentication ignores it. $RAY_AUTH_MODE, when set, decides."""
+    try:
+        from ray._private.authentication.authentication_token_setup import (
+            maybe_enable_token_auth_if_token_available,
+        )
+    except ImportError:  # a Ray without token authentication
+        return
+    maybe_enable_token_auth_if_token_available(warn_if_disabled=False)
 
 
 def alive_nodes() -> list[dict]:
