@@ -170,6 +170,21 @@ def check_fits(role: str, key: str, resources: dict[str, float], count: int = 1)
                            f"{ {k: total[k] for k in short} }: lower {key} or the count, or add nodes")
 
 
+def check_total(roles: list[tuple[str, dict[str, float], int]], hint: str) -> None:
+    """Refuse at once roles that fit one by one but not all together (a placement group of them would
+    wait forever): `roles` as (name, resources each, count)."""
+    need: dict[str, float] = {}
+    for _, res, count in roles:
+        for k, v in res.items():
+            need[k] = need.get(k, 0) + v * count
+    nodes = alive_nodes()
+    total = {k: sum(n["Resources"].get(k, 0) for n in nodes) for k in need}
+    short = {k: v for k, v in need.items() if v > total[k] + 1e-9}
+    if short:
+        who = " and ".join(f"{count} {name}(s)" if count != 1 else f"the {name}" for name, _, count in roles)
+        raise ClusterError(f"{who} need {short} in all, the cluster has { {k: total[k] for k in short} }: {hint}")
+
+
 def describe(node: dict) -> str:
     """A node as error messages name it: its address and the start of its id."""
     return f"node {node.get('NodeManagerAddress', '?')} ({node.get('NodeID', '?')[:8]})"

@@ -79,6 +79,8 @@ def run_rl(cfg, checkpoint: str, rl_dir: str, progress: bool = True) -> dict:
         # What no node can hold is refused before any work (Ray would leave it pending).
         cluster.check_fits("trainer", "rl.trainer_resources", rl.trainer_resources)
         cluster.check_fits("rollout worker", "rl.worker_resources", rl.worker_resources, rl.workers)
+        cluster.check_total([("trainer", rl.trainer_resources, 1), ("rollout worker", rl.worker_resources, rl.workers)],
+                            "lower rl.trainer_resources, rl.worker_resources or rl.workers, or add nodes")
         run.mkdir(parents=True, exist_ok=True)
         suite = prepare_tasks(cfg, run, progress)
         tasks = load_suite(str(suite))[: rl.tasks]
