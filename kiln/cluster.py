@@ -30,11 +30,15 @@ class ClusterError(RuntimeError):
     """Ray cannot be reached, or cannot ever run what was asked of it."""
 
 
+_own_local = False  # this process started the Ray it uses, on one machine (no node can join it)
+
+
 def connect(ray_cfg, min_cpus: float = 0) -> bool:
     """Make this process a Ray driver (see the module doc); `min_cpus`: what the caller's roles need
     at once, so a local Ray on a smaller machine still schedules them (they share its cores)."""
     import ray
 
+    global _own_local
     if ray.is_initialized():
         return False
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")  # never phone home
@@ -67,6 +71,7 @@ def connect(ray_cfg, min_cpus: float = 0) -> bool:
                 # address="local": a Ray of its own even when another runs here (attach with ray.address=auto).
                 ray.init(address="local", num_cpus=ncpu, include_dashboard=False, object_store_memory=ray_cfg.object_store_mb << 20,
                          log_to_driver=True, configure_logging=False, _system_config={"worker_niceness": 0})
+                _own_local = True
             finally:
                 ray_constants.ENABLE_RAY_CLUSTER = old_flag
                 if old is None:
@@ -186,12 +191,15 @@ def check_total(roles: list[tuple[str, dict[str, float], int]], hint: str) -> No
 
 
 def describe(node: dict) -> str:
-    """A node as error messages name it: its address and the start of its id."""
-    return f"node {node.get('NodeManagerAddress', '?')} ({node.get('NodeID', '?')[:8]})"
+    """A node as error messages name it: its address and the start of its id (", gone" once dead)."""
+    gone = "" if node.get("Alive", True) else ", gone"
+    return f"node {node.get('NodeManagerAddress', '?')} ({node.get('NodeID', '?')[:8]}{gone})"
 
 
 def node_of(node_id: str) -> str:
-    return next((describe(n) for n in alive_nodes() if n["NodeID"] == node_id), f"node {node_id[:8]} (gone)")
+    import ray
+
+    return next((describe(n) for n in ray.nodes() if n["NodeID"] == node_id), f"node ? ({node_id[:8]}, gone)")
 
 
 def here() -> dict:
@@ -219,7 +227,7 @@ class Shipped:
         import ray
 
         node = ray.get_runtime_context().get_node_id()
-        if len(alive_nodes()) < 2:
+        if _own_local and len(alive_nodes()) < 2:  # a cluster of one node now may gain more (autoscaling)
             return cls(str(path), node)
         buf = io.BytesIO()
         with tarfile.open(fileobj=buf, mode="w") as tar:

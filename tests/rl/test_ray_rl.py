@@ -121,6 +121,46 @@ def test_a_role_killed_mid_run_is_restarted_and_nothing_is_lost_or_repeated(tmp_
     assert len(ids) == len(set(ids)) == 3
 
 
+@pytest.mark.slow
+def test_a_worker_whose_node_is_removed_mid_run_is_placed_again_and_nothing_is_lost_or_repeated(
+        tmp_path, tiny_checkpoint, ray_cluster, rl_dirs, capsys):
+    """The worker runs on a node of its own (the custom resource doomed_node); that node is removed,
+    all its processes SIGKILLed, while the worker rolls out a group, and a node with the same resource
+    joins. Ray places the worker's bundle there and restarts it; the driver re-queues the group and
+    says which role was lost on which node."""
+    rl_dir = rl_dirs(tmp_path)
+    small = {"num_cpus": 1, "resources": {"doomed_node": 1}, "object_store_memory": 80 << 20}
+    doomed, spare = ray_cluster.add_node(**small), None
+    out: dict = {}
+    cfg = _cfg(tmp_path, "rl.trainer_resources={CPU=1, trainer_node=1}", "rl.worker_resources={CPU=0.5, doomed_node=1}",
+               workers=1, steps=2)
+    t = threading.Thread(target=lambda: out.update(run_rl(cfg, str(tiny_checkpoint), str(rl_dir), progress=False)))
+    try:
+        t.start()
+        deadline, removed = time.monotonic() + 240, False
+        while not removed and time.monotonic() < deadline and t.is_alive():
+            time.sleep(0.2)
+            if _pid_of_running_worker(rl_dir) is not None:
+                ray_cluster.remove_node(doomed, allow_graceful=False)
+                removed = True
+        assert removed, "never saw the worker roll out a group"
+        spare = ray_cluster.add_node(**small)
+        t.join(300)
+    finally:
+        if spare is not None:
+            ray_cluster.remove_node(spare)
+    assert out, "the run did not finish"
+    assert out["restarts"] == {"trainer": 0, "worker-0": 1}
+    assert out["nodes"]["worker-0"] == spare.node_id  # its bundle went to the node that joined
+    assert [r["step"] for r in out["metrics"]] == [1, 2]
+    trained = _trained(rl_dir)
+    assert len(trained) == 2 and len({g["task_id"] for g in trained}) == 2  # none twice, none lost
+    ids = [i for r in out["metrics"] for i in r["groups"]]
+    assert len(ids) == len(set(ids)) == 2
+    lost = [ln for ln in capsys.readouterr().out.splitlines() if "re-queued groups" in ln]
+    assert len(lost) == 1 and f"worker-0 on node " in lost[0] and f"({doomed.node_id[:8]}" in lost[0], lost
+
+
 @pytest.fixture(scope="module")
 def s3_store(s3_endpoint):
     """The variables every role needs to reach moto's server (they go to the actors through the
