@@ -176,10 +176,14 @@ class Driver:
                                   f"{self.rl.timeout_s:.0f} s; waiting on {self._waiting()} (groups: "
                                   f"{self.orch.counts()}); raise rl.timeout_s if rollouts are just slow")
             checkpoint = self._get(self.trainer.finish.remote(), "trainer", "saving the checkpoint")
+            at = self.info["trainer"] and self.info["trainer"]["node_id"]
+            # Written on the trainer's node: say which when it is not this one.
+            elsewhere = at != self.ray.get_runtime_context().get_node_id() and cluster.node_of(at)
         finally:
             self._stop()
-        return {"metrics": self.metrics.rows(), "checkpoint": checkpoint, "groups": self.orch.counts(),
-                "restarts": self.restarts, "nodes": {r: i and i["node_id"] for r, i in self.info.items()}}
+        return {"metrics": self.metrics.rows(), "checkpoint": checkpoint, "checkpoint_node": elsewhere or None,
+                "groups": self.orch.counts(), "restarts": self.restarts,
+                "nodes": {r: i and i["node_id"] for r, i in self.info.items()}}
 
     def _dispatch(self) -> None:
         rl, now = self.rl, time.monotonic()
