@@ -174,7 +174,8 @@ def test_{stem}_old_import_path_still_works():
         digest = hashlib.sha1(f"{mv.path}:{mv.seed.name}:{mv.new_path}".encode()).hexdigest()[:6]
         old_mod = module_name(mv.path)
         task = Task(id=f"{self.name}-move-{mv.seed.name}-{digest}", prompt=refactor_prompt(
-            f"{mv.path}:{mv.seed.name}", mv.seed.name, mv.path, old_mod, mv.new_module, mv.new_path, len(mv.units)),
+            f"{mv.path}:{mv.seed.name}", mv.seed.name, mv.path, old_mod, mv.new_module, mv.new_path, len(mv.units),
+            ast.get_docstring(mv.seed.node) or ""),
             category="refactor", difficulty=2 if len(mv.units) == 1 else 3,
             provenance={"generator": "refactor_move", "source": self.source, "file": mv.path,
                         "name": f"{old_mod}.{mv.seed.name}", "new_file": mv.new_path, "new_module": mv.new_module,

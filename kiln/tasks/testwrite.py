@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import ast
 import hashlib
-import json
+import pprint
 import os
 import re
 
@@ -70,8 +70,8 @@ def _run(tree, files):
     try:
         r = subprocess.run([sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", *files],
                            cwd=tree, env=env, capture_output=True, timeout=DATA["timeout"])
-    except subprocess.TimeoutExpired:
-        return "timeout"
+    except subprocess.TimeoutExpired:  # a hang counts as killed, except while screening (where it is dropped)
+        return 0 if DATA["screen"] else "timeout"
     return r.returncode
 
 
@@ -106,13 +106,14 @@ def test_new_tests_kill_mutant(new_tests, mutant):
 '''
 
 
-def harness(module_path: str, module_src: bytes, harness_path: str, known: list[str], mutants: list, timeout: float) -> bytes:
-    data = {"module": module_path, "sha256": hashlib.sha256(module_src).hexdigest(),
+def harness(module_path: str, module_src: bytes, harness_path: str, known: list[str], mutants: list, timeout: float,
+            screen: bool = False) -> bytes:
+    data = {"screen": screen, "module": module_path, "sha256": hashlib.sha256(module_src).hexdigest(),
             "depth": harness_path.count("/"), "known": sorted(known), "timeout": timeout,
             "mutants": [{"id": f"{m.function}-L{m.line}-{m.key[:6]}", "start": m.start, "end": m.end,
                          "replacement": m.replacement.decode("utf-8"),
                          "what": f"{m.kind} in {m.function} at line {m.line}"} for m in mutants]}
-    text = json.dumps(data, indent=1, sort_keys=True)
+    text = pprint.pformat(data, indent=1, width=110, sort_dicts=True)  # a Python literal, deterministic
     return MUTATION_HARNESS.format(module=module_path, data=text).encode()
 
 
@@ -144,6 +145,16 @@ class _Writer(RepoSource):
                 out.append((t, scores[0][1]))
         return out
 
+    def covered(self, t_path: str, m_path: str) -> list[str]:
+        """Public names of the module that the gold tests use, in order of first use."""
+        tree = parse(self.texts[m_path], m_path)
+        names = {st.name for st in tree.body if isinstance(st, (ast.FunctionDef, ast.ClassDef)) and not st.name.startswith("_")}
+        seen = []
+        for w in re.findall(r"[A-Za-z_][A-Za-z0-9_]*", self.texts[t_path].decode("utf-8", "replace")):
+            if w in names and w not in seen:
+                seen.append(w)
+        return seen
+
     def handle(self, pair: tuple[str, str]) -> Task | str:
         t_path, m_path = pair
         src = self.texts[m_path]
@@ -158,9 +169,9 @@ class _Writer(RepoSource):
         if h_path in self.texts:
             return "the harness path is taken"
         known = [p for p in self.test_files if p != t_path] + [h_path]
-        timeout = max(30.0, 5 * self.t_full)
+        timeout = min(60.0, self.task_timeout / 4)  # per nested run; fixed by the task timeout, never measured
         # The repository without T, the gold tests put back as the agent would, the harness over the pool.
-        repo_files = {h_path: harness(m_path, src, h_path, known, pool, timeout)}
+        repo_files = {h_path: harness(m_path, src, h_path, known, pool, timeout, screen=True)}
         from kiln.sandbox import create
         with create(self.base, self.cfg) as sb:
             sb.write(t_path, self.texts[t_path])
@@ -180,7 +191,8 @@ class _Writer(RepoSource):
         mod = module_name(m_path)
         digest = hashlib.sha1(f"{t_path}:{m_path}".encode()).hexdigest()[:6]
         task = Task(id=f"{self.name}-tests-{mod.rsplit('.', 1)[-1]}-{digest}",
-                    prompt=tests_prompt(f"{t_path}:{m_path}", self.project, mod, m_path), category="tests",
+                    prompt=tests_prompt(f"{t_path}:{m_path}", self.project, mod, m_path, self.covered(t_path, m_path)),
+                    category="tests",
                     difficulty=2, provenance={"generator": "write_tests", "source": self.source, "module": m_path,
                                               "gold_tests": t_path, "mutants": len(kept), "mutants_tried": len(pool),
                                               "seed": self.seed})

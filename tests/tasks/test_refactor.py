@@ -75,7 +75,7 @@ def test_move_hidden_test_fails_before_and_passes_after_gold(tmp_path, tcfg):
     assert sorted(tasks) == ["mini.geometry.area"] and y.rejected == {"moved code uses other code of its module": 2}
     t = tasks["mini.geometry.area"]
     assert t.category == "refactor" and t.provenance["units"] == ["_sq", "area"]
-    assert t.provenance["new_file"] == "mini/area.py" and "mini.area" in t.prompt
+    assert t.provenance["new_file"] == "mini/area.py" and ("mini.area" in t.prompt or "mini/area.py" in t.prompt)
     assert sorted(t.gold["files"]) == ["mini/area.py", "mini/geometry.py"]
     hidden = "tests/test_area_moved.py"
     assert list(t.hidden_tests()) == [hidden] and all(i.startswith(hidden) for i in t.fail_to_pass)
