@@ -47,7 +47,7 @@ def connect(ray_cfg, min_cpus: float = 0) -> bool:
     try:
         if address:
             _probe(address)
-            _token_auth()
+            _token_auth(address)
             try:
                 ray.init(address=address, log_to_driver=True, configure_logging=False)
             except ConnectionError as e:  # it speaks gRPC (the probe) but did not let us in
@@ -125,17 +125,34 @@ def _probe(address: str) -> None:
                               f"`ray start --head` printed (6379 by default), not the dashboard's (8265)")
 
 
-def _token_auth() -> None:
-    """Send the token of ~/.ray/auth_token (or $RAY_AUTH_TOKEN) when this machine has one, as ray.init
-    does for address="auto" but not for an explicit address: a cluster whose head has the token
-    requires it, and one without token authentication ignores it. $RAY_AUTH_MODE, when set, decides."""
+def _token_auth(address: str) -> None:
+    """Send the cluster's token when its head asks for one. Ray 2.60's `ray start --head` turns token
+    authentication on when the head has ~/.ray/auth_token, and ray.init looks for a token only for
+    address="auto". Sending one to a head without authentication is not harmless: this driver would
+    then demand it of every worker fetching its objects. So the GCS is asked first, without a token
+    and under a made-up cluster id: InvalidAuthToken means it wants one. $RAY_AUTH_MODE, when set,
+    decides instead."""
+    if "RAY_AUTH_MODE" in os.environ or address.startswith("ray://"):
+        return
     try:
+        from ray._private import services
         from ray._private.authentication.authentication_token_setup import (
             maybe_enable_token_auth_if_token_available,
         )
-    except ImportError:  # a Ray without token authentication
+        from ray._raylet import GcsClient
+
+        gcs = services.canonicalize_bootstrap_address_or_die(address)
+    except (ImportError, ValueError, ConnectionError):  # a Ray without token authentication; or ray.init will say
         return
-    maybe_enable_token_auth_if_token_available(warn_if_disabled=False)
+    try:
+        GcsClient(address=gcs, cluster_id="01" * 28).internal_kv_get(b"kiln-probe", None, timeout=PROBE_S)
+        return
+    except Exception as e:  # noqa: BLE001 - WrongClusterID (no token asked for) or InvalidAuthToken
+        if "InvalidAuthToken" not in str(e):
+            return
+    if not maybe_enable_token_auth_if_token_available(warn_if_disabled=False):
+        raise ConnectionError(f"the Ray cluster at {gcs} uses token authentication and this machine has no token: "
+                              f"copy the head's ~/.ray/auth_token here, or set RAY_AUTH_TOKEN")
 
 
 def alive_nodes() -> list[dict]:

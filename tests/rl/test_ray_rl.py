@@ -68,11 +68,16 @@ def test_rl_runs_trains_publishes_and_never_repeats_a_prompt(tmp_path, tiny_chec
     assert s["restarts"] == {"trainer": 0, "worker-0": 0, "worker-1": 0}
 
 
-def test_a_role_no_node_can_hold_is_refused_at_once(tmp_path, tiny_checkpoint, ray_cluster):
+@pytest.mark.parametrize("over, error", [
+    (["rl.worker_resources={GPU=1}"], r"no node can run the rollout worker \(rl.worker_resources = \{'GPU': 1.0\}\)"),
+    # each fits (the two nodes have 2 CPUs each), all together not: a placement group would wait forever
+    (["rl.trainer_resources={CPU=2}", "rl.worker_resources={CPU=1.5}"],
+     r"the trainer and 2 rollout worker\(s\) need \{'CPU': 5.0\} in all, the cluster has \{'CPU': 4.0\}"),
+])
+def test_a_role_no_node_can_hold_is_refused_at_once(tmp_path, tiny_checkpoint, ray_cluster, over, error):
     t = time.monotonic()
-    with pytest.raises(RLError, match=r"no node can run the rollout worker \(rl.worker_resources = \{'GPU': 1.0\}\)"):
-        run_rl(_cfg(tmp_path, "rl.worker_resources={GPU=1}"), str(tiny_checkpoint), str(tmp_path / "rl"),
-               progress=False)
+    with pytest.raises(RLError, match=error):
+        run_rl(_cfg(tmp_path, *over), str(tiny_checkpoint), str(tmp_path / "rl"), progress=False)
     assert time.monotonic() - t < 30  # not left pending until rl.timeout_s
     assert not (tmp_path / "rl").exists()  # refused before any task was made
 
