@@ -291,6 +291,10 @@ def bench(suite: Annotated[Optional[str], typer.Option("--suite", help="Suite fo
           policy: Annotated[Optional[str], typer.Option("--policy", help="oracle, noop, openai or local (bench.policy).")] = None,
           checkpoint: Annotated[Optional[str], typer.Option(
               "--checkpoint", help="The local policy's kiln checkpoint (policy.checkpoint).")] = None,
+          endpoint: Annotated[Optional[str], typer.Option(
+              "--endpoint", help="The openai policy's OpenAI-compatible base URL, e.g. http://host:8000/v1 "
+              "(policy.base_url; the key is read from $OPENAI_API_KEY, policy.api_key_env).")] = None,
+          model: Annotated[Optional[str], typer.Option("--model", help="The openai policy's model name (policy.model).")] = None,
           passes: Annotated[Optional[int], typer.Option("--passes", help="Passes per task (bench.passes).")] = None,
           workers: Annotated[Optional[int], typer.Option("--workers", help="Parallel rollouts (bench.workers).")] = None,
           out: Annotated[Optional[str], typer.Option("--out", help="Output folder (bench.out_dir).")] = None,
@@ -303,6 +307,8 @@ def bench(suite: Annotated[Optional[str], typer.Option("--suite", help="Suite fo
     flags = {"suite": suite, "policy": policy, "passes": passes, "workers": workers, "out_dir": out}
     extra = [f"bench.{k}={v}" if not isinstance(v, str) else f'bench.{k}="{v}"' for k, v in flags.items() if v is not None]
     extra += [f"policy.checkpoint={checkpoint}"] if checkpoint is not None else []  # a str field: kept as typed
+    extra += [f'policy.base_url="{endpoint}"'] if endpoint is not None else []
+    extra += [f'policy.model="{model}"'] if model is not None else []
     extra += ["bench.ray=true"] if use_ray or address else []
     extra += [f'ray.address="{address}"'] if address else []
     cfg = resolve(config, extra + (overrides or []), dry_run)

@@ -65,6 +65,13 @@ BUG = [
     "There's a regression in `{path}` around `{symbol}`: {tests} {fail_verb}{msg_clause}. {hint} Fix it in "
     "the source.",
 ]
+BUG_CODA = [
+    " When you're done, tell me in a sentence what the root cause was.",
+    " Run the relevant tests before you call it done.",
+    " Keep the fix minimal; no drive-by refactors please.",
+    " No need to add new tests, just make the existing ones pass.",
+    "",
+]
 MULTI_HINT = [
     "I suspect more than one thing changed, so don't stop at the first fix.",
     "It looks like several small edits went in together; there may be more than one spot.",
@@ -76,8 +83,8 @@ MULTI_HINT = [
 def bug_prompt(key: str, project: str, symbol: str, path: str, f2p: list[str], message: str, multi: bool) -> str:
     t = test_names(f2p)
     msg = clean_message(message) if message else ""
-    return " ".join(pick(key, BUG).format(
-        project=project, symbol=symbol, path=path, tests=names(t), fail_verb="fails" if len(t) == 1 else "fail",
+    return " ".join((pick(key, BUG) + pick(key + "c", BUG_CODA)).format(
+        project=project, symbol=symbol, path=path, tests=names(t, 4), fail_verb="fails" if len(t) == 1 else "fail",
         msg_clause=f" with `{msg}`" if msg else "", hint=pick(key + "h", MULTI_HINT) if multi else "",
     ).split())
 
@@ -132,6 +139,12 @@ REFACTOR = [
     "I'd like `{name}` in a module of its own so it can be imported without the rest of `{old_mod}`: put it "
     "in `{new_mod}`{helpers}. {doc}Keep the old name working as an alias and don't change what it does.",
 ]
+REFACTOR_CODA = [
+    " Update nothing else unless it's needed for the move.",
+    " Run the test suite afterwards.",
+    " Keep the code itself as it is, just moved.",
+    "",
+]
 REASONS = ["It's unrelated to most of what's around it. ", "We want to reuse it elsewhere. ",
            "That file is hard to navigate. ", "", "It has grown into its own thing. "]
 
@@ -145,7 +158,7 @@ def refactor_prompt(key: str, name: str, old_path: str, old_mod: str, new_mod: s
     doc = first_sentence(doc, 150)
     what = (f"For context, `{name}`: {doc[0].lower() + doc[1:]}" if doc else "")
     what = (what if what.endswith((".", "!", "?")) or not what else what + ".") + (" " if what else "")
-    return " ".join(pick(key, REFACTOR).format(name=name, old=old_path, old_mod=old_mod, new_mod=new_mod,
+    return " ".join((pick(key, REFACTOR) + pick(key + "c", REFACTOR_CODA)).format(name=name, old=old_path, old_mod=old_mod, new_mod=new_mod,
                                                new_path=new_path, helpers=helpers,
                                                doc=pick(key + "r", REASONS) + what).split())
 
@@ -169,6 +182,15 @@ TESTS = [
 ]
 
 
+TESTS_CODA = [
+    " Run the new file with pytest before you finish.",
+    " Prefer many small focused tests over a few big ones.",
+    " Parametrize where it keeps things short.",
+    " Check error paths too, not only the happy path.",
+]
+
+
 def tests_prompt(key: str, project: str, module: str, path: str, covered: list[str] | None = None) -> str:
-    shown = names(covered or [], 4) if covered else "its public API"
-    return " ".join(pick(key, TESTS).format(project=project, module=module, path=path, names=shown).split())
+    shown = names(covered or [], 6) if covered else "its public API"
+    return " ".join((pick(key, TESTS) + pick(key + "c", TESTS_CODA)).format(
+        project=project, module=module, path=path, names=shown).split())
