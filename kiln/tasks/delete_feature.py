@@ -251,6 +251,7 @@ class _GroupDeleter(_Deleter):
             methods = [m.name for m in f.node.body if isinstance(m, (ast.FunctionDef, ast.AsyncFunctionDef))
                        and (not m.name.startswith("_") or m.name in ("__init__", "__iter__", "__getitem__",
                                                                       "__contains__", "__len__", "__call__"))]
+            methods = list(dict.fromkeys(methods))  # a property's getter and setter share a name
             detail = (f"It had {len(methods)} methods, among them " + ", ".join(f"`{m}`" for m in methods[:5]) + "."
                       if methods else "")
         else:

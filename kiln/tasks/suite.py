@@ -23,7 +23,11 @@ import time
 from dataclasses import dataclass, field
 
 from . import sources as S
-from .record import Task, load_suite
+from .record import DEFAULT_TEST_COMMAND, Task, load_suite
+
+# A fixed hash seed: str hashing (set and dict-of-set order in assertion messages and parametrize
+# ids) is the same in every run, so the failure messages quoted in prompts are too.
+SUITE_TEST_COMMAND = "PYTHONHASHSEED=0 " + DEFAULT_TEST_COMMAND
 
 CATEGORY_GENERATORS = {"bugfix": "mutate_multi", "feature": "delete_feature_multi", "refactor": "refactor_move",
                        "tests": "write_tests"}
@@ -42,15 +46,15 @@ KILN_BENCH_V1 = SuiteSpec(
     name="kiln-bench-v1",
     quotas={
         "toolz": {"bugfix": 5, "feature": 4, "refactor": 5, "tests": 5},
-        "boltons": {"bugfix": 6, "feature": 12, "refactor": 12, "tests": 12},
+        "boltons": {"bugfix": 6, "feature": 16, "refactor": 14, "tests": 12},
         "cachetools": {"bugfix": 6, "feature": 4, "refactor": 4, "tests": 5},
         "inflection": {"bugfix": 5, "feature": 2, "refactor": 2, "tests": 1},
-        "more-itertools": {"bugfix": 3, "feature": 4, "refactor": 4, "tests": 1},
+        "more-itertools": {"bugfix": 3, "feature": 6, "refactor": 4, "tests": 1},
         "parse": {"bugfix": 6, "feature": 3, "refactor": 3, "tests": 4},
         "semver": {"bugfix": 6, "feature": 4, "refactor": 4, "tests": 6},
         "tabulate": {"bugfix": 6, "feature": 4, "refactor": 4, "tests": 5},
     },
-    params={"feature": {"min_lines": 90}, "refactor": {"min_lines": 50}, "tests": {"min_lines": 100},
+    params={"feature": {"min_lines": 80}, "refactor": {"min_lines": 50}, "tests": {"min_lines": 100},
             "bugfix": {}},
 )
 SUITES = {KILN_BENCH_V1.name: KILN_BENCH_V1}
@@ -115,6 +119,7 @@ def build_suite(name: str, out: str, sandbox_cfg, workers: int = 2, projects: li
             t0 = time.monotonic()
             y = _generator(category)(repos[project], stage, sandbox_cfg, max_tasks=quota, seed=spec.seed,
                                      workers=workers, progress=False, source=f"builtin:{project}",
+                                     test_command=SUITE_TEST_COMMAND,
                                      task_timeout=spec.task_timeout, **spec.params.get(category, {}))
             split = S.split_of(project)
             got = load_suite(stage) if y.kept else []
