@@ -92,12 +92,12 @@ def test_rl_and_bench_at_a_bad_ray_address_are_error_lines_within_seconds(tiny_c
     closed = closed_port()
     cases = [
         (["rl", "--checkpoint", tiny_checkpoint, "--address", f"127.0.0.1:{closed}", f"run.out_dir={tmp_path}"],
-         f"error: cannot start or reach the Ray cluster at '127.0.0.1:{closed}': nothing answers at 127.0.0.1:{closed} "
-         "(Connection refused)"),
+         (f"error: cannot start or reach the Ray cluster at '127.0.0.1:{closed}': nothing answers at "
+          f"127.0.0.1:{closed} (Connection refused)")),
         (["bench", "--suite", toy_suite, "--policy", "oracle", "--address", f"127.0.0.1:{web.server_port}",
           "--out", tmp_path / "bench", state],
-         f"error: cannot start or reach the Ray cluster at '127.0.0.1:{web.server_port}': 127.0.0.1:{web.server_port} "
-         "takes connections but is not a Ray head's GCS"),
+         (f"error: cannot start or reach the Ray cluster at '127.0.0.1:{web.server_port}': "
+          f"127.0.0.1:{web.server_port} takes connections but is not a Ray head's GCS")),
     ]
     try:
         for args, error in cases:

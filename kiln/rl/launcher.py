@@ -178,7 +178,7 @@ class Driver:
             checkpoint = self._get(self.trainer.finish.remote(), "trainer", "saving the checkpoint")
             at = self.info["trainer"] and self.info["trainer"]["node_id"]
             # Written on the trainer's node: say which when it is not this one.
-            elsewhere = at != self.ray.get_runtime_context().get_node_id() and cluster.node_of(at)
+            elsewhere = at and at != self.ray.get_runtime_context().get_node_id() and cluster.node_of(at)
         finally:
             self._stop()
         return {"metrics": self.metrics.rows(), "checkpoint": checkpoint, "checkpoint_node": elsewhere or None,

@@ -163,7 +163,7 @@ def test_a_worker_whose_node_is_removed_mid_run_is_placed_again_and_nothing_is_l
     ids = [i for r in out["metrics"] for i in r["groups"]]
     assert len(ids) == len(set(ids)) == 2
     lost = [ln for ln in capsys.readouterr().out.splitlines() if "re-queued groups" in ln]
-    assert len(lost) == 1 and f"worker-0 on node " in lost[0] and f"({doomed.node_id[:8]}" in lost[0], lost
+    assert len(lost) == 1 and "worker-0 on node " in lost[0] and f"({doomed.node_id[:8]}" in lost[0], lost
 
 
 @pytest.fixture(scope="module")
