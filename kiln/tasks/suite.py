@@ -130,10 +130,11 @@ def build_suite(name: str, out: str, sandbox_cfg, workers: int = 2, projects: li
                 os.makedirs(os.path.dirname(dest), exist_ok=True)
                 shutil.move(t.path, dest)
                 tasks[split].append(t.id)
-            yields.append({"project": project, "category": category, "quota": quota, "kept": y.kept,
-                           "candidates": y.candidates, "rejected": dict(sorted(y.rejected.items()))})
+            # Candidates tried and rejections are logged, not recorded: with parallel validations a
+            # few more candidates may be tried past the quota, so their count is not part of the suite.
+            yields.append({"project": project, "category": category, "quota": quota, "kept": y.kept})
             log(f"{project:15} {category:9} {y.kept:3}/{quota:<3} kept of {y.candidates:3} candidates "
-                f"({time.monotonic() - t0:.0f}s)")
+                f"({time.monotonic() - t0:.0f}s)" + "".join(f"; {n} {why}" for why, n in y.rejected.most_common(3)))
     manifest = {
         "suite": spec.name, "seed": spec.seed, "task_timeout_s": spec.task_timeout,
         "sources": {p: {"version": S.version(p), "license": S.license_of(p), "split": S.split_of(p),
