@@ -138,13 +138,42 @@ def sources_cmd(fetch: Annotated[bool, typer.Option("--fetch", help="Download th
     typer.echo(f"cache: {S.cache_dir()} (${S.SOURCES_ENV})")
 
 
+@tasks_app.command("build-suite")
+def build_suite_cmd(name: Annotated[str, typer.Argument(help="The suite, e.g. kiln-bench-v1.")], out: Out,
+                    workers: Workers = 2,
+                    projects: Annotated[Optional[list[str]], typer.Option(
+                        "--project", help="Only this project (repeatable): a partial build.")] = None,
+                    cap: Annotated[Optional[int], typer.Option("--cap", min=1, help="At most this many tasks per "
+                                                               "project and category: a small build.")] = None,
+                    overrides: Overrides = None, config: ConfigOpt = None, dry_run: DryRun = False):
+    """Rebuild a frozen suite from the pinned sources: the same task folders, byte for byte, every time.
+    Writes DIR/train/, DIR/eval/ (split by project) and DIR/suite.json."""
+    cfg = resolve(config, overrides, dry_run)
+    from kiln.tasks.sources import SourceError
+    from kiln.tasks.suite import build_suite
+    try:
+        build_suite(name, out, cfg.sandbox, workers=workers, projects=projects, cap=cap, log=typer.echo)
+    except (SourceError, ValueError) as e:
+        fail(str(e))
+
+
 @tasks_app.command("stats")
-def stats(suites: Annotated[list[str], typer.Argument(help="Suite folders.")]):
-    """Tasks, median prompt characters, median gold lines changed, categories, next to CursorBench and SWE-bench."""
+def stats(suites: Annotated[list[str], typer.Argument(help="Suite folders.")],
+          plots: Annotated[Optional[str], typer.Option(
+              "--plots", help="Also draw prompt_chars.png, gold_lines.png and gold_files.png (by category, with the "
+              "CursorBench and SWE-bench medians) into this folder; one subfolder per suite when given several.")] = None,
+          details: Annotated[bool, typer.Option("--details", help="Per-category medians and per-project counts.")] = False):
+    """Tasks, median prompt characters, gold lines and files changed, projects, categories, next to CursorBench and SWE-bench."""
     from kiln.tasks.record import TaskError
-    from kiln.tasks.stats import format_stats, suite_stats
+    from kiln.tasks.stats import format_details, format_stats, plot_stats, suite_stats
     try:
         typer.echo(format_stats({s: suite_stats(s) for s in suites}))
+        for s in suites if details else []:
+            typer.echo(f"\n{s}:\n{format_details(s)}")
+        for s in suites if plots else []:
+            dest = plots if len(suites) == 1 else os.path.join(plots, os.path.basename(os.path.abspath(s)))
+            for png in plot_stats(s, dest):
+                typer.echo(f"wrote {png}")
     except TaskError as e:
         fail(str(e))
 
@@ -262,6 +291,10 @@ def bench(suite: Annotated[Optional[str], typer.Option("--suite", help="Suite fo
           policy: Annotated[Optional[str], typer.Option("--policy", help="oracle, noop, openai or local (bench.policy).")] = None,
           checkpoint: Annotated[Optional[str], typer.Option(
               "--checkpoint", help="The local policy's kiln checkpoint (policy.checkpoint).")] = None,
+          endpoint: Annotated[Optional[str], typer.Option(
+              "--endpoint", help="The openai policy's OpenAI-compatible base URL, e.g. http://host:8000/v1 "
+              "(policy.base_url; the key is read from $OPENAI_API_KEY, policy.api_key_env).")] = None,
+          model: Annotated[Optional[str], typer.Option("--model", help="The openai policy's model name (policy.model).")] = None,
           passes: Annotated[Optional[int], typer.Option("--passes", help="Passes per task (bench.passes).")] = None,
           workers: Annotated[Optional[int], typer.Option("--workers", help="Parallel rollouts (bench.workers).")] = None,
           out: Annotated[Optional[str], typer.Option("--out", help="Output folder (bench.out_dir).")] = None,
@@ -274,6 +307,8 @@ def bench(suite: Annotated[Optional[str], typer.Option("--suite", help="Suite fo
     flags = {"suite": suite, "policy": policy, "passes": passes, "workers": workers, "out_dir": out}
     extra = [f"bench.{k}={v}" if not isinstance(v, str) else f'bench.{k}="{v}"' for k, v in flags.items() if v is not None]
     extra += [f"policy.checkpoint={checkpoint}"] if checkpoint is not None else []  # a str field: kept as typed
+    extra += [f'policy.base_url="{endpoint}"'] if endpoint is not None else []
+    extra += [f'policy.model="{model}"'] if model is not None else []
     extra += ["bench.ray=true"] if use_ray or address else []
     extra += [f'ray.address="{address}"'] if address else []
     cfg = resolve(config, extra + (overrides or []), dry_run)

@@ -103,4 +103,5 @@ def rl_cmd(
         fail(str(e))
     last = summary["metrics"][-1] if summary["metrics"] else {}
     typer.echo(f"rl: {len(summary['metrics'])} steps; last reward {last.get('reward_mean', float('nan')):+.3f}")
-    typer.echo(f"checkpoint: {summary['checkpoint']}")
+    where = f" (on {summary['checkpoint_node']})" if summary.get("checkpoint_node") else ""
+    typer.echo(f"checkpoint: {summary['checkpoint']}{where}")

@@ -30,11 +30,15 @@ class ClusterError(RuntimeError):
     """Ray cannot be reached, or cannot ever run what was asked of it."""
 
 
+_own_local = False  # this process started the Ray it uses, on one machine (no node can join it)
+
+
 def connect(ray_cfg, min_cpus: float = 0) -> bool:
     """Make this process a Ray driver (see the module doc); `min_cpus`: what the caller's roles need
     at once, so a local Ray on a smaller machine still schedules them (they share its cores)."""
     import ray
 
+    global _own_local
     if ray.is_initialized():
         return False
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")  # never phone home
@@ -43,7 +47,13 @@ def connect(ray_cfg, min_cpus: float = 0) -> bool:
     try:
         if address:
             _probe(address)
-            ray.init(address=address, log_to_driver=True, configure_logging=False)
+            _token_auth(address)
+            try:
+                ray.init(address=address, log_to_driver=True, configure_logging=False)
+            except ConnectionError as e:  # it speaks gRPC (the probe) but did not let us in
+                raise ConnectionError(f"{e}; if the cluster uses token authentication (Ray turns it on when the "
+                                      f"head has ~/.ray/auth_token), give this machine the same token: copy the "
+                                      f"head's ~/.ray/auth_token here, or set RAY_AUTH_TOKEN") from None
         else:
             ncpu = ray_cfg.num_cpus or max(len(os.sched_getaffinity(0)), int(-(-min_cpus // 1)))
             # A one-machine Ray binds to loopback only. Ray takes the host's routable address unless
@@ -61,6 +71,7 @@ def connect(ray_cfg, min_cpus: float = 0) -> bool:
                 # address="local": a Ray of its own even when another runs here (attach with ray.address=auto).
                 ray.init(address="local", num_cpus=ncpu, include_dashboard=False, object_store_memory=ray_cfg.object_store_mb << 20,
                          log_to_driver=True, configure_logging=False, _system_config={"worker_niceness": 0})
+                _own_local = True
             finally:
                 ray_constants.ENABLE_RAY_CLUSTER = old_flag
                 if old is None:
@@ -96,10 +107,52 @@ def _probe(address: str) -> None:
         raise ValueError(f"{str(e).rstrip('.')}; give HEAD_HOST:PORT, the address `ray start --head` printed "
                          f"(port 6379 by default)") from None
     try:
-        socket.create_connection((host, port), timeout=PROBE_S).close()
+        conn = socket.create_connection((host, port), timeout=PROBE_S)
     except OSError as e:
         raise ConnectionError(f"nothing answers at {host}:{port} ({e.strerror or e or 'timed out'}): is `ray start "
                               f"--head` running there, and is the port reachable from this machine?") from None
+    try:  # Ray's GCS is a gRPC server: to HTTP/2's preface it answers with a SETTINGS frame (type 4)
+        conn.settimeout(PROBE_S)
+        conn.sendall(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + bytes([0, 0, 0, 4, 0, 0, 0, 0, 0]))
+        first = conn.recv(9)
+    except OSError:
+        first = b""
+    finally:
+        conn.close()
+    if len(first) < 4 or first[3] != 4:
+        raise ConnectionError(f"{host}:{port} takes connections but is not a Ray head's GCS (it "
+                              f"{'answered ' + repr(first[:16]) if first else 'said nothing'}): give the port "
+                              f"`ray start --head` printed (6379 by default), not the dashboard's (8265)")
+
+
+def _token_auth(address: str) -> None:
+    """Send the cluster's token when its head asks for one. Ray 2.60's `ray start --head` turns token
+    authentication on when the head has ~/.ray/auth_token, and ray.init looks for a token only for
+    address="auto". Sending one to a head without authentication is not harmless: this driver would
+    then demand it of every worker fetching its objects. So the GCS is asked first, without a token
+    and under a made-up cluster id: InvalidAuthToken means it wants one. $RAY_AUTH_MODE, when set,
+    decides instead."""
+    if "RAY_AUTH_MODE" in os.environ or address.startswith("ray://"):
+        return
+    try:
+        from ray._private import services
+        from ray._private.authentication.authentication_token_setup import (
+            maybe_enable_token_auth_if_token_available,
+        )
+        from ray._raylet import GcsClient
+
+        gcs = services.canonicalize_bootstrap_address_or_die(address)
+    except (ImportError, ValueError, ConnectionError):  # a Ray without token authentication; or ray.init will say
+        return
+    try:
+        GcsClient(address=gcs, cluster_id="01" * 28).internal_kv_get(b"kiln-probe", None, timeout=PROBE_S)
+        return
+    except Exception as e:  # noqa: BLE001 - WrongClusterID (no token asked for) or InvalidAuthToken
+        if "InvalidAuthToken" not in str(e):
+            return
+    if not maybe_enable_token_auth_if_token_available(warn_if_disabled=False):
+        raise ConnectionError(f"the Ray cluster at {gcs} uses token authentication and this machine has no token: "
+                              f"copy the head's ~/.ray/auth_token here, or set RAY_AUTH_TOKEN")
 
 
 def alive_nodes() -> list[dict]:
@@ -139,13 +192,31 @@ def check_fits(role: str, key: str, resources: dict[str, float], count: int = 1)
                            f"{ {k: total[k] for k in short} }: lower {key} or the count, or add nodes")
 
 
+def check_total(roles: list[tuple[str, dict[str, float], int]], hint: str) -> None:
+    """Refuse at once roles that fit one by one but not all together (a placement group of them would
+    wait forever): `roles` as (name, resources each, count)."""
+    need: dict[str, float] = {}
+    for _, res, count in roles:
+        for k, v in res.items():
+            need[k] = need.get(k, 0) + v * count
+    nodes = alive_nodes()
+    total = {k: sum(n["Resources"].get(k, 0) for n in nodes) for k in need}
+    short = {k: v for k, v in need.items() if v > total[k] + 1e-9}
+    if short:
+        who = " and ".join(f"{count} {name}(s)" if count != 1 else f"the {name}" for name, _, count in roles)
+        raise ClusterError(f"{who} need {short} in all, the cluster has { {k: total[k] for k in short} }: {hint}")
+
+
 def describe(node: dict) -> str:
-    """A node as error messages name it: its address and the start of its id."""
-    return f"node {node.get('NodeManagerAddress', '?')} ({node.get('NodeID', '?')[:8]})"
+    """A node as error messages name it: its address and the start of its id (", gone" once dead)."""
+    gone = "" if node.get("Alive", True) else ", gone"
+    return f"node {node.get('NodeManagerAddress', '?')} ({node.get('NodeID', '?')[:8]}{gone})"
 
 
 def node_of(node_id: str) -> str:
-    return next((describe(n) for n in alive_nodes() if n["NodeID"] == node_id), f"node {node_id[:8]} (gone)")
+    import ray
+
+    return next((describe(n) for n in ray.nodes() if n["NodeID"] == node_id), f"node ? ({node_id[:8]}, gone)")
 
 
 def here() -> dict:
@@ -173,7 +244,7 @@ class Shipped:
         import ray
 
         node = ray.get_runtime_context().get_node_id()
-        if len(alive_nodes()) < 2:
+        if _own_local and len(alive_nodes()) < 2:  # a cluster of one node now may gain more (autoscaling)
             return cls(str(path), node)
         buf = io.BytesIO()
         with tarfile.open(fileobj=buf, mode="w") as tar:

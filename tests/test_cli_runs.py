@@ -78,6 +78,39 @@ def test_bench_whose_every_rollout_fails_is_an_error(toy_suite, tmp_path, state)
     assert line.endswith(f"see {tmp_path}/errors.jsonl (a rerun retries them)")
 
 
+def test_rl_and_bench_at_a_bad_ray_address_are_error_lines_within_seconds(tiny_checkpoint, toy_suite, tmp_path, state):
+    """Nothing listening, and a port that answers but is no Ray head (an HTTP server, as the dashboard's
+    port is): an error line each within seconds, where ray.init alone retries for many minutes. In
+    subprocesses, since this one may be attached to the session's Ray."""
+    import http.server
+    import threading
+
+    web = http.server.ThreadingHTTPServer(("127.0.0.1", 0), http.server.BaseHTTPRequestHandler)
+    threading.Thread(target=web.serve_forever, daemon=True).start()
+    # multi-node off: Ray would swap 127.0.0.1 for the host's routable address
+    env = {**{k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
+    closed = closed_port()
+    cases = [
+        (["rl", "--checkpoint", tiny_checkpoint, "--address", f"127.0.0.1:{closed}", f"run.out_dir={tmp_path}"],
+         (f"error: cannot start or reach the Ray cluster at '127.0.0.1:{closed}': nothing answers at "
+          f"127.0.0.1:{closed} (Connection refused)")),
+        (["bench", "--suite", toy_suite, "--policy", "oracle", "--address", f"127.0.0.1:{web.server_port}",
+          "--out", tmp_path / "bench", state],
+         (f"error: cannot start or reach the Ray cluster at '127.0.0.1:{web.server_port}': "
+          f"127.0.0.1:{web.server_port} takes connections but is not a Ray head's GCS")),
+    ]
+    try:
+        for args, error in cases:
+            t = time.monotonic()
+            r = subprocess.run([sys.executable, "-m", "kiln", *map(str, args)], env=env, capture_output=True, text=True,
+                               timeout=120, check=False)
+            assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr[-3000:]
+            assert r.stderr.splitlines()[-1].startswith(error), r.stderr[-3000:]
+            assert time.monotonic() - t < 60  # imports included; the probe itself gives up after 10 s
+    finally:
+        web.shutdown()
+
+
 def test_serve_refuses_a_port_out_of_range(tiny_checkpoint):
     result = invoke("serve", "--checkpoint", tiny_checkpoint, "--port", 70000)
     assert result.exit_code == 2 and "Invalid value for '--port'" in result.stderr
@@ -188,5 +221,6 @@ def test_rl_trains_a_checkpoint_through_the_command(tiny_checkpoint, tmp_path, s
                     "harness.max_turn_tokens=8", *(f"rl.{k}={v}" for k, v in over.items()))
     assert result.exit_code == 0, result.output
     assert result.stdout.splitlines()[-2].startswith("rl: 1 steps; last reward ")
-    assert result.stdout.splitlines()[-1] == f"checkpoint: {tmp_path}/tiny/rl/checkpoint"
+    # the trainer's node says where it is, when it is not the driver's (both are this machine here)
+    assert result.stdout.splitlines()[-1].startswith(f"checkpoint: {tmp_path}/tiny/rl/checkpoint")
     assert len((tmp_path / "tiny" / "rl" / "metrics.jsonl").read_text().splitlines()) == 1

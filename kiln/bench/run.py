@@ -202,6 +202,7 @@ def run_bench(suite_dir: str, policy_name: str, passes: int = 1, workers: int = 
             cluster.check_fits("bench rollout", "bench.rollout_resources", config.bench.rollout_resources)
         except cluster.ClusterError as e:
             log.close()
+            bar.close()  # before the error line, not after it
             raise BenchError(str(e)) from None
         ex = RayRollouts(policy_name, config, out_dir)
         futures = {ex.submit(t, p): (t, p) for t, p in todo}

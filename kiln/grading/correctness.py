@@ -3,6 +3,11 @@
 Test files the agent edited or deleted are reset to the task's version first (an agent must not
 pass by rewriting the tests). Resolved means every fail-to-pass test passes and every
 pass-to-pass test keeps passing (a skip keeps its standing).
+
+A test-writing task (category `tests`, kiln/tasks/testwrite.py) is scored by the fraction of its
+fail-to-pass tests that pass, its mutation score: each is a hidden mutant the agent's new tests
+kill (and one that they pass on the code, without which none passes). `resolved` still needs all;
+the score is 0 when a pass-to-pass test breaks.
 """
 from __future__ import annotations
 
@@ -46,7 +51,10 @@ def grade_correctness(sandbox, task: Task) -> dict:
     p2p = {i: run.statuses.get(i, "MISSING") for i in task.pass_to_pass}
     passed_f2p = sum(run.passed(i) for i in task.fail_to_pass)
     resolved = bool(task.fail_to_pass) and passed_f2p == len(f2p) and all(run.maintained(i) for i in p2p)
-    return {"resolved": resolved, "score": 1.0 if resolved else 0.0,
+    score = 1.0 if resolved else 0.0
+    if task.category == "tests" and f2p and all(run.maintained(i) for i in p2p):
+        score = passed_f2p / len(f2p)
+    return {"resolved": resolved, "score": score,
             "f2p_passed": passed_f2p, "f2p_total": len(f2p),
             "p2p_kept": sum(run.maintained(i) for i in p2p), "p2p_total": len(p2p),
             "timed_out": run.timed_out, "reset_tests": reset,

@@ -79,6 +79,8 @@ def run_rl(cfg, checkpoint: str, rl_dir: str, progress: bool = True) -> dict:
         # What no node can hold is refused before any work (Ray would leave it pending).
         cluster.check_fits("trainer", "rl.trainer_resources", rl.trainer_resources)
         cluster.check_fits("rollout worker", "rl.worker_resources", rl.worker_resources, rl.workers)
+        cluster.check_total([("trainer", rl.trainer_resources, 1), ("rollout worker", rl.worker_resources, rl.workers)],
+                            "lower rl.trainer_resources, rl.worker_resources or rl.workers, or add nodes")
         run.mkdir(parents=True, exist_ok=True)
         suite = prepare_tasks(cfg, run, progress)
         tasks = load_suite(str(suite))[: rl.tasks]
@@ -174,10 +176,14 @@ class Driver:
                                   f"{self.rl.timeout_s:.0f} s; waiting on {self._waiting()} (groups: "
                                   f"{self.orch.counts()}); raise rl.timeout_s if rollouts are just slow")
             checkpoint = self._get(self.trainer.finish.remote(), "trainer", "saving the checkpoint")
+            at = self.info["trainer"] and self.info["trainer"]["node_id"]
+            # Written on the trainer's node: say which when it is not this one.
+            elsewhere = at and at != self.ray.get_runtime_context().get_node_id() and cluster.node_of(at)
         finally:
             self._stop()
-        return {"metrics": self.metrics.rows(), "checkpoint": checkpoint, "groups": self.orch.counts(),
-                "restarts": self.restarts, "nodes": {r: i and i["node_id"] for r, i in self.info.items()}}
+        return {"metrics": self.metrics.rows(), "checkpoint": checkpoint, "checkpoint_node": elsewhere or None,
+                "groups": self.orch.counts(), "restarts": self.restarts,
+                "nodes": {r: i and i["node_id"] for r, i in self.info.items()}}
 
     def _dispatch(self) -> None:
         rl, now = self.rl, time.monotonic()

@@ -247,8 +247,18 @@ class _GroupDeleter(_Deleter):
         else:
             what = f"`{self.public_name(f)}()`"
         key = f"{f.path}:{f.name}"
+        if isinstance(f.node, ast.ClassDef):
+            methods = [m.name for m in f.node.body if isinstance(m, (ast.FunctionDef, ast.AsyncFunctionDef))
+                       and (not m.name.startswith("_") or m.name in ("__init__", "__iter__", "__getitem__",
+                                                                      "__contains__", "__len__", "__call__"))]
+            methods = list(dict.fromkeys(methods))  # a property's getter and setter share a name
+            detail = (f"It had {len(methods)} methods, among them " + ", ".join(f"`{m}`" for m in methods[:5]) + "."
+                      if methods else "")
+        else:
+            detail = f"The signature was `{f.name}({ast.unparse(f.node.args)})`."
+            detail = detail if len(detail) <= 140 else ""
         return feature_prompt(key, self.project, what, f.path, ast.get_docstring(f.node) or "", len(f.parts),
-                              [p for p in source_files if p != f.path])
+                              [p for p in source_files if p != f.path], detail)
 
 
 def generate_feature_groups(repo: str, out_dir: str, sandbox_cfg, max_tasks: int | None = None, seed: int = 0,

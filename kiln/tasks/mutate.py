@@ -172,6 +172,11 @@ def mutant_groups(mutants: list[Mutant], seed: int, sizes: tuple[int, ...] = (2,
 
 
 class _MultiMutator(_Mutator):
+    def named_by_tests(self, m: Mutant) -> bool:
+        words = [w for w in m.function.split(".") if not w.startswith("__")]
+        pat = re.compile(rb"\b(" + b"|".join(re.escape(w.encode()) for w in words) + rb")\b") if words else None
+        return bool(pat) and any(pat.search(self.texts[t]) for t in self.test_files)
+
     def screen_one(self, m: Mutant) -> str | None:
         """Why a single site is unusable (None: some test catches it on its own, without breaking too much)."""
         snap, run = self.screen({m.path: m.apply(self.texts[m.path])}, self.affected(m))
@@ -241,7 +246,10 @@ def generate_multi_mutants(repo: str, out_dir: str, sandbox_cfg, max_tasks: int 
     mut = _MultiMutator(repo, out_dir, sandbox_cfg, test_command, source, seed, task_timeout)
     y = Yield("mutate_multi")
     try:
-        run_candidates(mutant_groups(mut.mutants(), seed, sizes), mut.handle_group, y, workers, max_tasks, progress)
+        # Only mutants of code some test file names: the others mostly survive, and one survivor
+        # costs its group.
+        named = [m for m in mut.mutants() if mut.named_by_tests(m)]
+        run_candidates(mutant_groups(named, seed, sizes), mut.handle_group, y, workers, max_tasks, progress)
     finally:
         mut.close()
     return y

@@ -161,15 +161,20 @@ def load_task(path: str) -> Task:
 
 
 def load_suite(path: str) -> list[Task]:
-    """Every task folder under `path` (a suite), sorted by id."""
+    """Every task folder under `path` (a suite, or a folder of suites such as a built suite's
+    train/ and eval/), sorted by id."""
     if os.path.exists(os.path.join(path, "task.toml")):
         return [load_task(path)]
     if not os.path.isdir(path):
         raise TaskError(f"{path}: {'not a folder' if os.path.exists(path) else 'no such folder'}")
     dirs = sorted(d for d in os.listdir(path) if os.path.exists(os.path.join(path, d, "task.toml")))
+    if not dirs:  # a suite of splits (kiln tasks build-suite: DIR/train, DIR/eval): one level down
+        dirs = sorted(os.path.join(s, d) for s in os.listdir(path) if os.path.isdir(os.path.join(path, s))
+                      for d in os.listdir(os.path.join(path, s)) if os.path.exists(os.path.join(path, s, d, "task.toml")))
     if not dirs:
         raise TaskError(f"{path}: no task folders (each needs a task.toml)")
-    return [load_task(os.path.join(path, d)) for d in dirs]
+    tasks = [load_task(os.path.join(path, d)) for d in dirs]
+    return sorted(tasks, key=lambda t: t.id)
 
 
 def _ignore_for(root: str):

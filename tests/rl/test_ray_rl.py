@@ -68,11 +68,16 @@ def test_rl_runs_trains_publishes_and_never_repeats_a_prompt(tmp_path, tiny_chec
     assert s["restarts"] == {"trainer": 0, "worker-0": 0, "worker-1": 0}
 
 
-def test_a_role_no_node_can_hold_is_refused_at_once(tmp_path, tiny_checkpoint, ray_cluster):
+@pytest.mark.parametrize("over, error", [
+    (["rl.worker_resources={GPU=1}"], r"no node can run the rollout worker \(rl.worker_resources = \{'GPU': 1.0\}\)"),
+    # each fits (the two nodes have 2 CPUs each), all together not: a placement group would wait forever
+    (["rl.trainer_resources={CPU=2}", "rl.worker_resources={CPU=1.5}"],
+     r"the trainer and 2 rollout worker\(s\) need \{'CPU': 5.0\} in all, the cluster has \{'CPU': 4.0\}"),
+])
+def test_a_role_no_node_can_hold_is_refused_at_once(tmp_path, tiny_checkpoint, ray_cluster, over, error):
     t = time.monotonic()
-    with pytest.raises(RLError, match=r"no node can run the rollout worker \(rl.worker_resources = \{'GPU': 1.0\}\)"):
-        run_rl(_cfg(tmp_path, "rl.worker_resources={GPU=1}"), str(tiny_checkpoint), str(tmp_path / "rl"),
-               progress=False)
+    with pytest.raises(RLError, match=error):
+        run_rl(_cfg(tmp_path, *over), str(tiny_checkpoint), str(tmp_path / "rl"), progress=False)
     assert time.monotonic() - t < 30  # not left pending until rl.timeout_s
     assert not (tmp_path / "rl").exists()  # refused before any task was made
 
@@ -119,6 +124,46 @@ def test_a_role_killed_mid_run_is_restarted_and_nothing_is_lost_or_repeated(tmp_
     assert len(trained) == 3 and len({g["task_id"] for g in trained}) == 3  # none twice, none lost
     ids = [i for r in out["metrics"] for i in r["groups"]]
     assert len(ids) == len(set(ids)) == 3
+
+
+@pytest.mark.slow
+def test_a_worker_whose_node_is_removed_mid_run_is_placed_again_and_nothing_is_lost_or_repeated(
+        tmp_path, tiny_checkpoint, ray_cluster, rl_dirs, capsys):
+    """The worker runs on a node of its own (the custom resource doomed_node); that node is removed,
+    all its processes SIGKILLed, while the worker rolls out a group, and a node with the same resource
+    joins. Ray places the worker's bundle there and restarts it; the driver re-queues the group and
+    says which role was lost on which node."""
+    rl_dir = rl_dirs(tmp_path)
+    small = {"num_cpus": 1, "resources": {"doomed_node": 1}, "object_store_memory": 80 << 20}
+    doomed, spare = ray_cluster.add_node(**small), None
+    out: dict = {}
+    cfg = _cfg(tmp_path, "rl.trainer_resources={CPU=1, trainer_node=1}", "rl.worker_resources={CPU=0.5, doomed_node=1}",
+               workers=1, steps=2)
+    t = threading.Thread(target=lambda: out.update(run_rl(cfg, str(tiny_checkpoint), str(rl_dir), progress=False)))
+    try:
+        t.start()
+        deadline, removed = time.monotonic() + 240, False
+        while not removed and time.monotonic() < deadline and t.is_alive():
+            time.sleep(0.2)
+            if _pid_of_running_worker(rl_dir) is not None:
+                ray_cluster.remove_node(doomed, allow_graceful=False)
+                removed = True
+        assert removed, "never saw the worker roll out a group"
+        spare = ray_cluster.add_node(**small)
+        t.join(300)
+    finally:
+        if spare is not None:
+            ray_cluster.remove_node(spare)
+    assert out, "the run did not finish"
+    assert out["restarts"] == {"trainer": 0, "worker-0": 1}
+    assert out["nodes"]["worker-0"] == spare.node_id  # its bundle went to the node that joined
+    assert [r["step"] for r in out["metrics"]] == [1, 2]
+    trained = _trained(rl_dir)
+    assert len(trained) == 2 and len({g["task_id"] for g in trained}) == 2  # none twice, none lost
+    ids = [i for r in out["metrics"] for i in r["groups"]]
+    assert len(ids) == len(set(ids)) == 2
+    lost = [ln for ln in capsys.readouterr().out.splitlines() if "re-queued groups" in ln]
+    assert len(lost) == 1 and "worker-0 on node " in lost[0] and f"({doomed.node_id[:8]}" in lost[0], lost
 
 
 @pytest.fixture(scope="module")
