@@ -43,7 +43,7 @@ def connect(ray_cfg, min_cpus: float = 0) -> bool:
         return False
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")  # never phone home
     address = ray_cfg.address or os.environ.get("RAY_ADDRESS", "")
-    t = time.monotonic()
+    t, _own_local = time.monotonic(), False
     try:
         if address:
             _probe(address)

@@ -291,7 +291,11 @@ class RLConfig(Section):
     trainer_cpus: list[int] = []
     worker_cpus: list[int] = []
     temperature: float = Field(0.7, gt=0)  # sampling; the bench evaluates at policy.temperature
-    lr: float = Field(1e-5, gt=0)  # Adam, full parameters, constant
+    lr: float = Field(1e-5, gt=0)  # Adam, constant
+    # false: the token embedding and the output head (one matrix when tied) stay as SFT left them, every
+    # other weight trains. Adam moves every vocabulary row by about lr a step, rows the rollouts never
+    # used included (docs/architecture.md, "Copying": -13.3 points trained vs -4.3 frozen, same data).
+    train_embeddings: bool = True
     betas: tuple[float, float] = (0.9, 0.999)
     grad_clip: float = Field(1.0, ge=0)
     aggregation: Literal["constant", "token_mean", "seq_mean"] = "constant"  # Dr. GRPO: constant

@@ -224,3 +224,7 @@ def test_rl_trains_a_checkpoint_through_the_command(tiny_checkpoint, tmp_path, s
     # the trainer's node says where it is, when it is not the driver's (both are this machine here)
     assert result.stdout.splitlines()[-1].startswith(f"checkpoint: {tmp_path}/tiny/rl/checkpoint")
     assert len((tmp_path / "tiny" / "rl" / "metrics.jsonl").read_text().splitlines()) == 1
+    again = invoke("rl", "--checkpoint", tiny_checkpoint, f"run.out_dir={tmp_path}", state, "harness.max_turns=2",
+                   "harness.max_turn_tokens=8", *(f"rl.{k}={v}" for k, v in over.items()))
+    assert again.exit_code == 0, again.output  # a finished run resumes: nothing to roll out, the checkpoint again
+    assert again.stdout.splitlines()[-2:] == result.stdout.splitlines()[-2:]

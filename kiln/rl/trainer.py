@@ -55,7 +55,11 @@ def target_logp(model, batch: Batch, rows, temperature: float, replay: bool, rep
 class RLTrainer:
     def __init__(self, model, rl, ref_model=None, version: int = 0):
         self.model, self.rl, self.ref, self.version = model, rl, ref_model, version
-        self.opt = torch.optim.Adam(model.parameters(), lr=rl.lr, betas=tuple(rl.betas))
+        if not rl.train_embeddings:
+            model.model.embed_tokens.weight.requires_grad_(False)
+            model.lm_head.weight.requires_grad_(False)  # the same tensor when tied
+        self.opt = torch.optim.Adam([p for p in model.parameters() if p.requires_grad], lr=rl.lr,
+                                    betas=tuple(rl.betas))
         if ref_model is not None:
             ref_model.requires_grad_(False).eval()
 

@@ -110,7 +110,9 @@ class RepoSource:
             self.close()
             raise
         self.n_tests, self.t_full = len(run.statuses), run.duration_s
-        self.screen_timeout = max(10.0, 3 * self.t_full)
+        # A fixed task timeout (a frozen suite's build) fixes the screening timeout too: one derived
+        # from the measured suite time would reject candidates on a busy machine and not on an idle one.
+        self.screen_timeout = task_timeout / 2 if task_timeout else max(10.0, 3 * self.t_full)
         # A fixed `task_timeout` (the frozen suite's) keeps task.toml free of measured times.
         self.task_timeout = task_timeout or max(60.0, 10 * self.t_full)
         self.project = self.source.split(":", 1)[1] if self.source.startswith("builtin:") else \

@@ -65,7 +65,8 @@ SOURCES: dict[str, Source] = {s.name: s for s in [
            {"src/cachetools": "cachetools", "tests": "tests"}, ("tests",), split="eval"),
     Source("inflection", "inflection", "0.5.1", "inflection-0.5.1.tar.gz",
            "1a29730d366e996aaacffb2f1f1cb9593dc38e2ddd30c91250c6dde09ea9b417", "MIT",
-           {"inflection": "inflection", "test_inflection.py": "test_inflection.py"}, ("test_inflection.py",),
+           # testpaths ".": its tests sit at the root, and so do hidden tests and an agent's new test files
+           {"inflection": "inflection", "test_inflection.py": "test_inflection.py"}, (".",),
            split="train"),
     Source("more-itertools", "more-itertools", "11.2.1", "more_itertools-11.2.1.tar.gz",
            "cbf08fd0af284dc69718b9b76a8e6203df624d70209ea511e4219d350c856f63", "MIT",

@@ -148,7 +148,7 @@ def plot_stats(path: str, out_dir: str) -> list[str]:
         ax.set_xlabel(title)
         ax.set_ylabel("tasks")
         ax.set_title(f"{os.path.basename(os.path.abspath(path))}: {title}, by category")
-        ax.legend(fontsize=8)
+        ax.legend(fontsize=8, loc="upper right")
         fig.tight_layout()
         dest = os.path.join(out_dir, f"{key}.png")
         fig.savefig(dest, dpi=100)

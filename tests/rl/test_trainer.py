@@ -166,3 +166,25 @@ def test_a_step_on_a_dense_family_scores_like_its_sampler_and_learns(tiny_checkp
         after, _ = target_logp(model, batch, rows, 1.0, True, 0.5)
     gain = ((after - before) * batch.mask).sum(1)
     assert gain[0] > 0 > gain[1] and gain[3] > 0 > gain[2]
+
+
+@pytest.mark.parametrize("train_embeddings", [True, False])
+def test_train_embeddings_false_keeps_the_embedding_and_head_and_still_learns(setup, train_embeddings):
+    ckpt, trajs = setup
+    model, _ = load_checkpoint(ckpt, with_mtp=False)
+    rl = Config().rl.model_copy(update={"lr": 3e-3, "temperature": 1.0, "train_embeddings": train_embeddings})
+    trainer = RLTrainer(model, rl, version=0)
+    vocab = {id(model.model.embed_tokens.weight), id(model.lm_head.weight)}
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    batch = collate([s for i, t in enumerate(trajs[:2]) for s in sequences(t, i)])
+    with torch.no_grad():
+        lp0, _ = target_logp(model, batch, slice(0, 2), 1.0, True, 0.5)
+    trainer.step([Group(0, "a", "k", trajs[:2], [{"correctness": 1.0}, {"correctness": 0.0}])])
+    with torch.no_grad():
+        lp1, _ = target_logp(model, batch, slice(0, 2), 1.0, True, 0.5)
+    moved = {n for n, p in model.named_parameters() if not torch.equal(before[n], p)}
+    kept_vocab = {n for n, p in model.named_parameters() if id(p) in vocab} - moved
+    assert bool(kept_vocab) is not train_embeddings  # frozen: the embedding (and untied head) bit for bit
+    assert any("layers" in n for n in moved)  # every other weight still trains
+    assert all(id(p) not in vocab for g in trainer.opt.param_groups for p in g["params"]) is not train_embeddings
+    assert ((lp1 - lp0) * batch.mask[:2]).sum(1)[0] > 0  # the solved rollout became likelier either way

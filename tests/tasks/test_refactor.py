@@ -99,6 +99,7 @@ def test_move_hidden_test_fails_before_and_passes_after_gold(tmp_path, tcfg):
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(600)
 def test_moves_of_a_real_source(tmp_path, tcfg):
     why = missing_reason("boltons")
     if why:

@@ -35,6 +35,7 @@ def test_build_errors(tmp_path, tcfg, monkeypatch):
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1200)  # two builds of four toolz tasks: about 3 minutes on an idle 2-core machine
 def test_small_build_is_byte_identical(tmp_path, tcfg):
     a, b = str(tmp_path / "a"), str(tmp_path / "b")
     m = build_suite("kiln-bench-v1", a, tcfg, projects=["toolz"], cap=1, log=lambda _: None)
