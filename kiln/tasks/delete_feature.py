@@ -21,9 +21,9 @@ from .gen import (
     RepoSource,
     discard,
     failing,
+    generate,
     module_name,
     publish,
-    run_candidates,
 )
 from .patch import make_patch
 from .pyedit import Edits, parse, references, resolve_from, strip_name
@@ -207,12 +207,7 @@ def generate_feature_deletions(repo: str, out_dir: str, sandbox_cfg, max_tasks: 
     """Write validated feature tasks made by deleting public functions and classes of `repo`
     into `out_dir`. Raises GeneratorError when the repository's own tests do not pass."""
     d = _Deleter(repo, out_dir, sandbox_cfg, test_command, source, seed)
-    y = Yield("delete_feature")
-    try:
-        run_candidates(d.features(), d.handle, y, workers, max_tasks, progress)
-    finally:
-        d.close()
-    return y
+    return generate("delete_feature", d, d.features, d.handle, workers, max_tasks, progress)
 
 
 class _GroupDeleter(_Deleter):
@@ -269,9 +264,4 @@ def generate_feature_groups(repo: str, out_dir: str, sandbox_cfg, max_tasks: int
     helpers (across modules when they are imported), its tests hidden; only groups of at least
     `min_lines` source lines are tried."""
     d = _GroupDeleter(repo, out_dir, sandbox_cfg, test_command, source, seed, task_timeout, min_lines=min_lines)
-    y = Yield("delete_feature_multi")
-    try:
-        run_candidates(d.features(), d.handle, y, workers, max_tasks, progress)
-    finally:
-        d.close()
-    return y
+    return generate("delete_feature_multi", d, d.features, d.handle, workers, max_tasks, progress)

@@ -220,3 +220,14 @@ def run_candidates(candidates, handle, y: Yield, workers: int = 2, max_tasks: in
     tasks = [t for _, t in (kept[:max_tasks] if max_tasks is not None else kept)]
     y.kept = len(tasks)
     return sorted(tasks, key=lambda t: t.id)
+
+
+def generate(name: str, maker, candidates, handle, workers: int, max_tasks: int | None, progress: bool) -> Yield:
+    """A generator's run: `run_candidates` over `candidates()` into a new Yield `name`, then `maker`
+    (which holds the staging folder and the base snapshot) closed, whatever happened."""
+    y = Yield(name)
+    try:
+        run_candidates(candidates(), handle, y, workers, max_tasks, progress)
+    finally:
+        maker.close()
+    return y

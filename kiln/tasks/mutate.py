@@ -16,8 +16,16 @@ import hashlib
 import random
 import re
 
-from .gen import (RepoSource, discard, failing, failure_messages, module_name, publish,
-                  run_candidates, test_file)
+from .gen import (
+    RepoSource,
+    discard,
+    failing,
+    failure_messages,
+    generate,
+    module_name,
+    publish,
+    test_file,
+)
 from .mutants import Mutant, find_mutants
 from .patch import make_patch
 from .prompts import bug_prompt
@@ -128,12 +136,7 @@ def generate_mutants(repo: str, out_dir: str, sandbox_cfg, max_tasks: int | None
     repository in provenance and task ids (default: its path). Raises GeneratorError when the
     repository's own tests do not pass."""
     mut = _Mutator(repo, out_dir, sandbox_cfg, test_command, source, seed)
-    y = Yield("mutate")
-    try:
-        run_candidates(sample(mut.mutants(), seed), mut.handle, y, workers, max_tasks, progress)
-    finally:
-        mut.close()
-    return y
+    return generate("mutate", mut, lambda: sample(mut.mutants(), seed), mut.handle, workers, max_tasks, progress)
 
 
 # -- multi-site bugs -------------------------------------------------------------------------------
@@ -244,12 +247,8 @@ def generate_multi_mutants(repo: str, out_dir: str, sandbox_cfg, max_tasks: int 
     caught by some test on its own, and the task's fail-to-pass tests are all the tests the sites
     break together, so every site has to be found and fixed."""
     mut = _MultiMutator(repo, out_dir, sandbox_cfg, test_command, source, seed, task_timeout)
-    y = Yield("mutate_multi")
-    try:
-        # Only mutants of code some test file names: the others mostly survive, and one survivor
-        # costs its group.
-        named = [m for m in mut.mutants() if mut.named_by_tests(m)]
-        run_candidates(mutant_groups(named, seed, sizes), mut.handle_group, y, workers, max_tasks, progress)
-    finally:
-        mut.close()
-    return y
+    # Only mutants of code some test file names: the others mostly survive, and one survivor
+    # costs its group.
+    return generate("mutate_multi", mut,
+                    lambda: mutant_groups([m for m in mut.mutants() if mut.named_by_tests(m)], seed, sizes),
+                    mut.handle_group, workers, max_tasks, progress)

@@ -21,7 +21,7 @@ import os
 import random
 import re
 
-from .gen import RepoSource, discard, module_name, publish, run_candidates
+from .gen import RepoSource, discard, generate, module_name, publish
 from .patch import make_patch
 from .prompts import refactor_prompt
 from .pyedit import Edits, parse
@@ -203,9 +203,4 @@ def generate_moves(repo: str, out_dir: str, sandbox_cfg, max_tasks: int | None =
     """Write validated move-refactor tasks made from `repo` into `out_dir` (moves of at least
     `min_lines` lines). Raises GeneratorError when the repository's own tests do not pass."""
     m = _Mover(repo, out_dir, sandbox_cfg, test_command, source, seed, task_timeout, min_lines=min_lines)
-    y = Yield("refactor_move")
-    try:
-        run_candidates(m.moves(), m.handle, y, workers, max_tasks, progress)
-    finally:
-        m.close()
-    return y
+    return generate("refactor_move", m, m.moves, m.handle, workers, max_tasks, progress)

@@ -21,11 +21,12 @@ from __future__ import annotations
 
 import ast
 import hashlib
-import pprint
 import os
+import pprint
+import random
 import re
 
-from .gen import RepoSource, discard, module_name, publish, run_candidates
+from .gen import RepoSource, discard, generate, module_name, publish
 from .mutants import find_mutants
 from .mutate import sample
 from .patch import make_patch
@@ -229,12 +230,9 @@ def generate_test_tasks(repo: str, out_dir: str, sandbox_cfg, max_tasks: int | N
     repository's own tests do not pass."""
     w = _Writer(repo, out_dir, sandbox_cfg, test_command, source, seed, task_timeout, n_mutants=n_mutants,
                 min_lines=min_lines)
-    y = Yield("write_tests")
-    try:
-        import random
-        pairs = w.pairs()
-        random.Random(seed).shuffle(pairs)
-        run_candidates(pairs, w.handle, y, workers, max_tasks, progress)
-    finally:
-        w.close()
-    return y
+
+    def pairs():
+        out = w.pairs()
+        random.Random(seed).shuffle(out)
+        return out
+    return generate("write_tests", w, pairs, w.handle, workers, max_tasks, progress)
