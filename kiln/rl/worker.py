@@ -6,9 +6,10 @@ verified, and handed to the engine, which applies it between two decoding steps:
 sequences keep their KV cache and go on under the new version (each token records the version
 that produced it). A corrupt version is never loaded; the worker keeps decoding with what it has.
 
-`rollout` runs in a "rollouts" concurrency group (the driver keeps rl.worker_groups calls in flight:
-that many groups at once, their rollouts decoding in the same engine batches); `ready`, `version` and `close` in a
-"control" group of their own, so a health check never queues behind a long rollout. A group's files are written to a folder of this node and returned whole: the driver
+`rollout` runs in a "rollouts" concurrency group (the driver keeps rl.worker_groups calls in
+flight: that many groups at once, their rollouts decoding in the same engine batches); `ready`,
+`version` and `close` in a "control" group of their own, so a health check never queues behind a
+long rollout. A group's files are written to a folder of this node and returned whole: the driver
 keeps them (no shared filesystem).
 """
 from __future__ import annotations
