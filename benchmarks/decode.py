@@ -1,8 +1,8 @@
 """Decoding speed, one run, same weights and prompts:
 
 1. kiln's engine against transformers' `generate` (the baseline: the same checkpoint loaded as
-   `Qwen3MoeForCausalLM`), greedy, tokens/s at batch 1 (kiln's native C step, engine/native.c)
-   and batch 8 (kiln's torch path);
+   `Qwen3MoeForCausalLM`), greedy, tokens/s at batch 1 and batch 8 (kiln's native C step,
+   engine/native.c: at batch 8 one call for all rows, each weight read once);
 2. speculative decoding with a self-distilled MTP head against kiln's own plain decoding:
    identical greedy outputs?, mean accepted drafts per step, speedup;
 3. acceptance of the self-distilled head against a head trained on hard next-token labels for the

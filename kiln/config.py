@@ -280,6 +280,9 @@ class RLConfig(Section):
     groups_per_step: int = Field(2, ge=1)
     max_lag: int = Field(1, ge=0)  # admission: never start a rollout its step would train > max_lag versions later
     workers: int = Field(2, ge=1)  # rollout worker actors
+    # Groups one worker rolls out at once on its one engine (their rollouts share its batches); at most
+    # rl/worker.py's MAX_GROUPS. 2 gained nothing on an idle machine (docs/architecture.md, "What an RL group costs").
+    worker_groups: int = Field(1, ge=1, le=8)
     # Ray resources per role (kiln/cluster.py): CPU, GPU, memory (bytes) and any custom resource of the
     # cluster's nodes; the defaults fit the trainer and two workers on 2 CPUs.
     trainer_resources: dict[str, float] = {"CPU": 1.0}

@@ -39,10 +39,9 @@ from kiln.engine.sampling import (
 )
 from kiln.engine.speculative import SpecStats, draft, spec_step
 
-# Up to this many sequences decode one after another through native.c; more share torch's batched
-# matmuls. On 2 cores with the tiny preset, 8 sequences one after another decode 1.7x faster than
-# torch batching them (weights read for one stay cached for the next).
-NATIVE_MAX_BATCH = 8
+# Up to this many sequences decode in one native.c call (each weight streamed once for all of them);
+# more share torch's batched matmuls.
+NATIVE_MAX_BATCH = 64
 log = logging.getLogger(__name__)
 
 
@@ -65,7 +64,7 @@ class Request:
     tokens: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
-    routes: list[torch.Tensor] = field(default_factory=list)  # one [L, k] per fed position
+    routes: list[torch.Tensor] = field(default_factory=list)  # chunks [n, L, k] over the fed positions, in order
     finish_reason: str | None = None
     events: queue.Queue | None = None  # streaming: (text_delta, token_ids) tuples, then None
     done: threading.Event = field(default_factory=threading.Event)
@@ -222,7 +221,7 @@ class Engine:
             done = 0
             if self.prefix is not None:
                 done, routes = self.prefix.restore(r.prompt_ids, self.cache, slot)
-                r.routes = list(routes) if self.capture_routes else []
+                r.routes = [routes] if self.capture_routes and len(routes) else []
             hidden = self.forward(slot, torch.tensor([r.prompt_ids[done:]], device=self.device),
                                   torch.arange(done, len(r.prompt_ids), device=self.device)[None], [r])
             r.length = len(r.prompt_ids)
@@ -233,12 +232,7 @@ class Engine:
     def forward(self, start: int, ids: torch.Tensor, positions: torch.Tensor, reqs: list[Request]):
         """The main trunk over slots start.. with the cache -> hidden states [B, T, D]."""
         if self.native is not None and ids.shape[0] <= NATIVE_MAX_BATCH and ids.shape[1] <= MAX_TOKENS:
-            if len(ids) == 1:
-                hidden, routes = self.native(ids, positions, self.cache, start)
-            else:
-                rows = [self.native(ids[i:i + 1], positions[i:i + 1], self.cache, start + i) for i in range(len(ids))]
-                hidden = torch.cat([h for h, _ in rows])
-                routes = None if rows[0][1] is None else torch.cat([r for _, r in rows])
+            hidden, routes = self.native(ids, positions, self.cache, start)
         elif self.fast is not None:
             self.cache.begin(start, positions)
             hidden, routes = self.fast(ids, positions, self.cache)
@@ -295,7 +289,7 @@ class Engine:
         if r.pending_routes is not None:
             # The fed positions still in the sequence: the previous last token and the kept drafts
             # but the new last token (never fed by convention, even when it was a fed draft).
-            r.routes.extend(r.pending_routes[: r.pending_routes.shape[0] if fed is None else min(fed, len(added))])
+            r.routes.append(r.pending_routes[: r.pending_routes.shape[0] if fed is None else min(fed, len(added))])
             r.pending_routes = None
         if r.events is not None and (delta or added):
             r.events.put((delta, added))
@@ -325,7 +319,7 @@ class Engine:
             text = r.detok.text
         routes = None
         if self.capture_routes and r.routes:
-            fed = torch.stack(r.routes).tolist()
+            fed = torch.cat(r.routes).tolist()
             n = len(r.prompt_ids) + len(r.tokens)
             blank = [[-1] * len(fed[0][0])] * len(fed[0])
             routes = fed + [blank] * (n - len(fed))  # the last token was never fed

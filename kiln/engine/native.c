@@ -1,13 +1,23 @@
-/* kiln's native decoding step: the fp32 MoE trunk for one sequence and a few tokens, in plain C.
+/* kiln's native decoding step: the fp32 MoE trunk for a batch of sequences and a few tokens each,
+ * in plain C.
  *
  * Decoding a tiny model one token at a time on a CPU costs hundreds of small tensor ops per token,
  * each a dispatch; this does the same math (kiln/model/moe.py; also Qwen3 dense and Llama, whose
- * layers are the same block without experts or q/k norms) in one call that reads every weight
- * once per call, straight from the model's own parameter memory. Tokens of one call are processed
- * in order with the same per-token arithmetic as a one-token call, so a k-token call (speculative
- * verification) gives bit-identical results to k one-token calls (plain decoding).
+ * layers are the same block without experts or q/k norms) in one call, straight from the model's
+ * own parameter memory. A call takes B sequences (cache slots) of T tokens each and streams every
+ * weight once for all B x T tokens: each weight row is loaded once and its dot products with up to
+ * four input vectors are computed together from registers, and the MoE groups the call's tokens by
+ * expert, so an expert's weights are read once whichever rows chose it.
  *
- * Built by kiln/engine/native.py with the system C compiler; no Python or torch headers.
+ * Every output keeps one fixed accumulation order, whatever else shares the call: a dot product
+ * is the same sequence of vector FMAs whether its row is paired with one input or four, a token's
+ * attention reads its own slot in the same order, and a token's experts are added in the order the
+ * router ranked them. So a batched call is bit-identical to one-row calls, and a k-token call
+ * (speculative verification) to k one-token calls (plain decoding).
+ *
+ * Built by kiln/engine/native.py with the system C compiler; no Python or torch headers. The
+ * vectors are GCC/Clang vector extensions (AVX-512 where -march=native has it, otherwise the
+ * compiler splits them into what the CPU has).
  */
 #define _GNU_SOURCE /* sched_getaffinity */
 #include <math.h>
@@ -30,53 +40,120 @@ typedef struct {
     const float **hnorm, **enorm, **eh_proj;   /* MTP layers only: [D], [D], [D, 2D] */
 } Model;
 
-typedef float v8 __attribute__((vector_size(32)));  /* GCC/Clang vector extension: AVX on x86 */
+typedef float v16 __attribute__((vector_size(64)));
+typedef float v8 __attribute__((vector_size(32)));
+typedef float v4 __attribute__((vector_size(16)));
+typedef int32_t v16i __attribute__((vector_size(64)));
+#define INLINE static inline __attribute__((always_inline))
+#define MAX_BLOCK 4 /* input vectors sharing one pass over a weight row */
 
-/* Four independent vector accumulators hide the add latency; the order is fixed, so a dot
- * product is the same number wherever it is called from. */
-static inline float dot(const float *a, const float *b, int n) {
-    v8 acc[4] = {{0}};
-    int i = 0;
-    for (; i + 32 <= n; i += 32)
-        for (int j = 0; j < 4; j++) {
-            v8 x, y;
-            memcpy(&x, a + i + 8 * j, sizeof x);
-            memcpy(&y, b + i + 8 * j, sizeof y);
-            acc[j] += x * y;
-        }
-    v8 s = (acc[0] + acc[1]) + (acc[2] + acc[3]);
-    float r = ((s[0] + s[1]) + (s[2] + s[3])) + ((s[4] + s[5]) + (s[6] + s[7]));
-    for (; i < n; i++) r += a[i] * b[i];
-    return r;
+INLINE v16 load16(const float *p) {
+    v16 x;
+    memcpy(&x, p, sizeof x);
+    return x;
 }
 
-/* y[t] = W x[t] for t < T over rows r0..r1 of W [rows, cols] (row-major): each weight row is read
- * once per call. */
-static void matvec_rows(const float *w, const float *x, float *y, int r0, int r1, int cols, int T, int y_stride) {
-    for (int r = r0; r < r1; r++) {
-        const float *wr = w + (int64_t)r * cols;
-        for (int t = 0; t < T; t++) y[(int64_t)t * y_stride + r] = dot(wr, x + (int64_t)t * cols, cols);
+INLINE void store16(float *p, v16 x) { memcpy(p, &x, sizeof x); }
+
+INLINE v16 select16(v16i mask, v16 a, v16 b) { return (v16)(((v16i)a & mask) | ((v16i)b & ~mask)); }
+
+INLINE float hsum16(v16 s) {
+    v8 a = __builtin_shufflevector(s, s, 0, 1, 2, 3, 4, 5, 6, 7) + __builtin_shufflevector(s, s, 8, 9, 10, 11, 12, 13, 14, 15);
+    v4 b = __builtin_shufflevector(a, a, 0, 1, 2, 3) + __builtin_shufflevector(a, a, 4, 5, 6, 7);
+    return (b[0] + b[2]) + (b[1] + b[3]);
+}
+
+/* out[v * os] = w . x_v for v < NV, x_v = x + v * xs, each over n floats. Per v the arithmetic is
+ * fixed (four accumulators over 64-float strides, then 16-float steps, a fixed reduction, a scalar
+ * tail), so the result does not depend on NV or on which other vectors share the pass. */
+INLINE void dotv(const float *w, const float *x, int64_t xs, const int NV, int n, float *out, int64_t os) {
+    v16 acc[MAX_BLOCK][4];
+    for (int v = 0; v < NV; v++)
+        for (int j = 0; j < 4; j++) acc[v][j] = (v16){0};
+    int i = 0;
+    for (; i + 64 <= n; i += 64) {
+        v16 w0 = load16(w + i), w1 = load16(w + i + 16), w2 = load16(w + i + 32), w3 = load16(w + i + 48);
+        for (int v = 0; v < NV; v++) {
+            const float *xv = x + v * xs + i;
+            acc[v][0] += w0 * load16(xv);
+            acc[v][1] += w1 * load16(xv + 16);
+            acc[v][2] += w2 * load16(xv + 32);
+            acc[v][3] += w3 * load16(xv + 48);
+        }
+    }
+    for (; i + 16 <= n; i += 16) {
+        v16 w0 = load16(w + i);
+        for (int v = 0; v < NV; v++) acc[v][0] += w0 * load16(x + v * xs + i);
+    }
+    for (int v = 0; v < NV; v++) {
+        float r = hsum16((acc[v][0] + acc[v][1]) + (acc[v][2] + acc[v][3]));
+        for (int k = i; k < n; k++) r += w[k] * x[v * xs + k];
+        out[v * os] = r;
     }
 }
 
-/* One helper thread takes the second half of the rows of large products: decoding is bound by
- * reading weights from memory, which one core does not saturate. It spins briefly between jobs
- * (the products of one token follow each other closely), then sleeps. Each row's arithmetic is
- * the same whichever thread does it, so results do not depend on the split; rows the helper has
- * not claimed by the time the caller finishes its half, the caller does itself. One caller at a time
- * uses the helper; a concurrent caller (another engine's thread) computes alone. A process confined
- * to one CPU (an RL rollout worker) starts no helper: it would only spin on the caller's core. */
-#define SPLIT_MIN_FLOATS (64 * 1024)
+static void dots(const float *w, const float *x, int64_t xs, int nv, int n, float *out, int64_t os) {
+    for (; nv >= 4; nv -= 4, x += 4 * xs, out += 4 * os) dotv(w, x, xs, 4, n, out, os);
+    switch (nv) {
+    case 3: dotv(w, x, xs, 3, n, out, os); break;
+    case 2: dotv(w, x, xs, 2, n, out, os); break;
+    case 1: dotv(w, x, xs, 1, n, out, os); break;
+    default: break;
+    }
+}
+
+static float dot(const float *a, const float *b, int n) {
+    float r;
+    dotv(a, b, 0, 1, n, &r, 0);
+    return r;
+}
+
+/* Cephes' expf on 16 lanes (about 1 ulp); inputs below -87.3 give 0. */
+INLINE v16 exp16(v16 x) {
+    const v16 hi = (v16){0} + 88.3762626647949f, lo = (v16){0} + -87.3365478515625f;
+    v16i under = x < lo;
+    x = select16(x > hi, hi, x);
+    x = select16(under, lo, x);
+    v16 fx = x * 1.44269504088896341f + 0.5f;
+    v16i fi = __builtin_convertvector(fx, v16i);
+    v16 t = __builtin_convertvector(fi, v16);
+    v16i adjust = t > fx;
+    t -= (v16)((v16i)((v16){0} + 1.f) & adjust); /* floor */
+    x = x - t * 0.693359375f;
+    x = x - t * -2.12194440e-4f;
+    v16 z = x * x;
+    v16 y = 1.9875691500E-4f * x + 1.3981999507E-3f;
+    y = y * x + 8.3334519073E-3f;
+    y = y * x + 4.1665795894E-2f;
+    y = y * x + 1.6666665459E-1f;
+    y = y * x + 5.0000001201E-1f;
+    y = y * z + x + 1.f;
+    v16i e = (__builtin_convertvector(t, v16i) + 127) << 23;
+    v16 r = y * (v16)e;
+    return (v16)((v16i)r & ~under);
+}
+
+/* ---- a helper thread for the larger pieces of work -------------------------------------------
+ * One helper thread takes the second half of a range (rows of a large product, or the (sequence,
+ * KV head) pairs of attention): decoding is bound by reading weights and caches from memory, which
+ * one core does not saturate. It spins briefly between jobs (the pieces of one step follow each
+ * other closely), then sleeps. Each unit's arithmetic is the same whichever thread does it, so
+ * results do not depend on the split; units the helper has not claimed by the time the caller
+ * finishes its half, the caller does itself. One caller at a time uses the helper; a concurrent
+ * caller (another engine's thread) computes alone. A process confined to one CPU (an RL rollout
+ * worker) starts no helper: it would only spin on the caller's core. */
+#define SPLIT_MIN_WORK (64 * 1024)
 #define SPIN_ROUNDS 20000
 
-typedef struct { const float *w, *x; float *y; int r0, r1, cols, T, y_stride; } Rows;
+typedef void (*RangeFn)(void *ctx, int lo, int hi);
+typedef struct { RangeFn fn; void *ctx; int lo, hi; } Job;
 
 static struct {
     pthread_mutex_t use, mu;
     pthread_cond_t wake;
     atomic_int posted, claimed, done, sleeping;
     int started;
-    Rows job;
+    Job job;
 } pool = {PTHREAD_MUTEX_INITIALIZER, PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER};
 
 static inline void relax(void) {
@@ -102,8 +179,8 @@ static void *helper(void *arg) {
         seen = atomic_load(&pool.posted);
         int expected = seen - 1;
         if (!atomic_compare_exchange_strong(&pool.claimed, &expected, seen)) continue;  /* the caller took it */
-        Rows j = pool.job;
-        matvec_rows(j.w, j.x, j.y, j.r0, j.r1, j.cols, j.T, j.y_stride);
+        Job j = pool.job;
+        j.fn(j.ctx, j.lo, j.hi);
         atomic_store(&pool.done, seen);
     }
     return NULL;
@@ -131,9 +208,11 @@ static int one_cpu(void) {
 #endif
 }
 
-static void matvec(const float *w, const float *x, float *y, int rows, int cols, int T, int y_stride) {
-    if ((int64_t)rows * cols < SPLIT_MIN_FLOATS || pthread_mutex_trylock(&pool.use) != 0) {
-        matvec_rows(w, x, y, 0, rows, cols, T, y_stride);
+/* fn(ctx, 0, n), the upper half on the helper when the work is large enough. fn must tell the two
+ * halves' scratch apart by lo (0 or not). */
+static void parallel(RangeFn fn, void *ctx, int n, int64_t work) {
+    if (n < 2 || work < SPLIT_MIN_WORK || pthread_mutex_trylock(&pool.use) != 0) {
+        fn(ctx, 0, n);
         return;
     }
     if (!pool.started) {
@@ -147,24 +226,40 @@ static void matvec(const float *w, const float *x, float *y, int rows, int cols,
     }
     if (pool.started != 1) {
         pthread_mutex_unlock(&pool.use);
-        matvec_rows(w, x, y, 0, rows, cols, T, y_stride);
+        fn(ctx, 0, n);
         return;
     }
-    int mid = rows / 2, seq = atomic_load(&pool.posted) + 1;
-    pool.job = (Rows){w, x, y, mid, rows, cols, T, y_stride};
+    int mid = n / 2, seq = atomic_load(&pool.posted) + 1;
+    pool.job = (Job){fn, ctx, mid, n};
     atomic_store(&pool.posted, seq);
     if (atomic_load(&pool.sleeping)) {
         pthread_mutex_lock(&pool.mu);
         pthread_cond_signal(&pool.wake);
         pthread_mutex_unlock(&pool.mu);
     }
-    matvec_rows(w, x, y, 0, mid, cols, T, y_stride);
-    int expected = seq - 1;  /* a helper not yet awake (waking costs more than the rows): do them here */
+    fn(ctx, 0, mid);
+    int expected = seq - 1;  /* a helper not yet awake (waking costs more than the work): do it here */
     if (atomic_compare_exchange_strong(&pool.claimed, &expected, seq))
-        matvec_rows(w, x, y, mid, rows, cols, T, y_stride);
+        fn(ctx, mid, n);
     else
         while (atomic_load(&pool.done) != seq) relax();
     pthread_mutex_unlock(&pool.use);
+}
+
+/* ---- products ---------------------------------------------------------------------------------- */
+typedef struct { const float *w, *x; float *y; int cols, N; int64_t xs, ys; } Product;
+
+static void product_rows(void *c, int r0, int r1) {
+    const Product *a = c;
+    for (int r = r0; r < r1; r++) dots(a->w + (int64_t)r * a->cols, a->x, a->xs, a->N, a->cols, a->y + r, a->ys);
+}
+
+/* y[n * ys + r] = W[r] . x[n * xs] for rows r < rows of W [rows, cols] and n < N: each weight row
+ * is read from memory once for all N inputs. */
+static void matmul(const float *w, const float *x, int64_t xs, float *y, int64_t ys, int rows, int cols, int N) {
+    Product a = {w, x, y, cols, N, xs, ys};
+    int64_t floats = (int64_t)rows * cols;
+    parallel(product_rows, &a, rows, floats >= SPLIT_MIN_WORK || floats * N >= 4 * SPLIT_MIN_WORK ? floats : 0);
 }
 
 static void rms_norm(const float *x, const float *w, float *out, int n, float eps) {
@@ -173,165 +268,380 @@ static void rms_norm(const float *x, const float *w, float *out, int n, float ep
     for (int i = 0; i < n; i++) out[i] = w ? w[i] * (x[i] * scale) : x[i] * scale;
 }
 
-static float silu(float x) { return x / (1.f + expf(-x)); }
+/* out[i] = silu(g[i]) * u[i] */
+static void swiglu(const float *g, const float *u, float *out, int n) {
+    int i = 0;
+    for (; i + 16 <= n; i += 16) {
+        v16 x = load16(g + i);
+        store16(out + i, x / (1.f + exp16(-x)) * load16(u + i));
+    }
+    for (; i < n; i++) out[i] = g[i] / (1.f + expf(-g[i])) * u[i];
+}
 
-/* Rotate-half RoPE of one head in place (HF's convention: pairs i and i + hd/2). */
-static void rope(float *x, int hd, int pos, const float *inv_freq) {
+/* Rotate-half RoPE of one head in place (HF's convention: pairs i and i + hd/2), from the token's
+ * cos/sin table. */
+static void rope(float *x, int hd, const float *cs, const float *sn) {
     int half = hd / 2;
     for (int i = 0; i < half; i++) {
-        float f = (float)pos * inv_freq[i];
-        float c = cosf(f), s = sinf(f), a = x[i], b = x[i + half];
+        float c = cs[i], s = sn[i], a = x[i], b = x[i + half];
         x[i] = a * c - b * s;
         x[i + half] = b * c + a * s;
     }
 }
 
-/* Scratch floats a call needs for T tokens. */
-int64_t kiln_scratch_floats(const Model *m, int T) {
-    int64_t d = m->dim, q = (int64_t)m->n_heads * m->head_dim, kv = (int64_t)m->n_kv_heads * m->head_dim;
+/* ---- scratch ------------------------------------------------------------------------------------
+ * One call over N = B x T tokens uses, in floats: */
+typedef struct { int64_t h, q, k, v, att, y, probs, xg, gu, act, route, rope, attn, attn_each, cat, total; } Layout;
+
+static int64_t round16(int64_t n) { return (n + 15) & ~(int64_t)15; }
+
+static Layout layout(const Model *m, int B, int T) {
+    int64_t N = (int64_t)B * T, D = m->dim, Q = (int64_t)m->n_heads * m->head_dim;
+    int64_t KVD = (int64_t)m->n_kv_heads * m->head_dim, K = m->top_k > 0 ? m->top_k : 1;
     int64_t inner = m->moe_inner > m->dense_inner ? m->moe_inner : m->dense_inner;
-    return T * (d + q + 2 * kv + q + 2 * inner + m->n_experts + 2 * d) + 2 * inner + d + m->max_tokens;
+    int64_t group = m->n_heads / m->n_kv_heads, queries = T * group;
+    Layout s;
+    int64_t at = 0;
+    s.h = at, at += round16(N * D);
+    s.q = at, at += round16(N * Q);
+    s.k = at, at += round16(N * KVD);
+    s.v = at, at += round16(N * KVD);
+    s.att = at, at += round16(N * Q);
+    s.y = at, at += round16(N * K * D);          /* each (token, expert) output; o_proj and MLP outputs */
+    s.probs = at, at += round16(N * m->n_experts);
+    s.xg = at, at += round16(N * D);             /* inputs gathered for one expert */
+    s.gu = at, at += round16(N * 2 * inner);
+    s.act = at, at += round16(N * inner);
+    s.route = at, at += round16(3 * N * K);      /* chosen experts (int32), weights, gathered slots (int32) */
+    s.rope = at, at += round16(N * m->head_dim); /* per token: cos then sin of each frequency */
+    s.attn_each = round16(queries * m->head_dim) + queries * round16(m->max_tokens + 16) + round16(queries)
+                  + 16 * m->head_dim;
+    s.attn = at, at += 2 * s.attn_each;          /* per thread: gathered queries, then their scores */
+    s.cat = at, at += round16(N * 2 * D);        /* MTP: the normed hidden state and embedding */
+    s.total = at;
+    return s;
 }
 
-/* Decoder layer l over T tokens of one sequence at positions pos0.., in place on hidden [T, D].
- * kc/vc: this layer's cache for the sequence, [kv_head][max_len][head_dim]. routes (may be NULL):
- * the chosen experts of token t at routes[t * route_stride + j]. */
-static void block(const Model *m, int l, float *hidden, int T, int pos0, float *kc, float *vc, int max_len,
-                  int32_t *routes, int route_stride, float *scratch) {
+/* Scratch floats a call over B sequences of T tokens needs. */
+int64_t kiln_scratch_floats(const Model *m, int B, int T) { return layout(m, B, T).total; }
+
+/* ---- attention ------------------------------------------------------------------------------ */
+typedef struct {
+    int T, hd, group, n_heads, max_len, n_kv, max_tokens;
+    const int32_t *pos0;
+    const float *q, *kc, *vc; /* q [B*T, H*hd]; this layer's cache for sequence 0 */
+    int64_t slot_stride;
+    float *att, *scratch; /* att [B*T, H*hd] */
+    int64_t each;
+    float scale;
+} Attn;
+
+/* acc over positions p < n of e[i][p] * v_p for NB queries at once (C 16-float chunks a head), then
+ * divided by each query's sum. Per query the order is p = 0, 1, ... whatever NB is. Entries past a
+ * query's own context are exactly 0 (adding 0 * v leaves a sum of positive terms unchanged). */
+INLINE void attend_out(const int NB, const int C, const float *e, int64_t ld, const float *vh, int n,
+                       const float *sums, float *const *outs) {
+    v16 acc[4][8];
+    for (int i = 0; i < NB; i++)
+        for (int c = 0; c < C; c++) acc[i][c] = (v16){0};
+    for (int p = 0; p < n; p++) {
+        const float *vp = vh + (int64_t)p * C * 16;
+        v16 vv[8];
+        for (int c = 0; c < C; c++) vv[c] = load16(vp + 16 * c);
+        for (int i = 0; i < NB; i++) {
+            float w = e[i * ld + p];
+            for (int c = 0; c < C; c++) acc[i][c] += w * vv[c];
+        }
+    }
+    for (int i = 0; i < NB; i++)
+        for (int c = 0; c < C; c++) store16(outs[i] + 16 * c, acc[i][c] / sums[i]);
+}
+
+static void attend_out_any(int nb, int hd, const float *e, int64_t ld, const float *vh, int n, const float *sums,
+                           float *const *outs) {
+    switch (hd % 16 == 0 && hd <= 128 ? nb * 16 + hd / 16 : 0) {
+#define CASE(NB, C) case NB * 16 + C: attend_out(NB, C, e, ld, vh, n, sums, outs); return;
+    CASE(1, 1) CASE(1, 2) CASE(1, 4) CASE(1, 8) CASE(2, 1) CASE(2, 2) CASE(2, 4) CASE(2, 8)
+    CASE(3, 1) CASE(3, 2) CASE(3, 4) CASE(3, 8) CASE(4, 1) CASE(4, 2) CASE(4, 4) CASE(4, 8)
+#undef CASE
+    default: break;
+    }
+    for (int i = 0; i < nb; i++) { /* a head size the vector cases do not cover */
+        float *o = outs[i];
+        for (int d = 0; d < hd; d++) o[d] = 0.f;
+        for (int p = 0; p < n; p++) {
+            float w = e[i * ld + p];
+            for (int d = 0; d < hd; d++) o[d] += w * vh[(int64_t)p * hd + d];
+        }
+        for (int d = 0; d < hd; d++) o[d] /= sums[i];
+    }
+}
+
+/* Scores of one query (C 16-float chunks, in registers) against 16 consecutive keys of hd floats:
+ * lane p holds q . k_p. Each key's 16 lane products are summed by the same tree (lanes l and l + 8,
+ * then l and l + 4, then l and l + 2, then the pair), whichever lane it lands in, so a score does
+ * not depend on the position of its block or on the other keys. */
+INLINE v16 scores16(const int C, const v16 *q, const float *k, int hd) {
+    v16 c[8], d[4], e[2];
+    for (int j = 0; j < 8; j++) {
+        const float *k0 = k + (int64_t)(2 * j) * hd, *k1 = k0 + hd;
+        v16 a0 = q[0] * load16(k0), a1 = q[0] * load16(k1);
+        for (int cc = 1; cc < C; cc++) {
+            a0 += q[cc] * load16(k0 + 16 * cc);
+            a1 += q[cc] * load16(k1 + 16 * cc);
+        }
+        c[j] = __builtin_shufflevector(a0, a1, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23)
+             + __builtin_shufflevector(a0, a1, 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+    }
+    for (int j = 0; j < 4; j++)
+        d[j] = __builtin_shufflevector(c[2 * j], c[2 * j + 1], 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27)
+             + __builtin_shufflevector(c[2 * j], c[2 * j + 1], 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
+    for (int j = 0; j < 2; j++)
+        e[j] = __builtin_shufflevector(d[2 * j], d[2 * j + 1], 0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29)
+             + __builtin_shufflevector(d[2 * j], d[2 * j + 1], 2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31);
+    return __builtin_shufflevector(e[0], e[1], 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30)
+         + __builtin_shufflevector(e[0], e[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+}
+
+/* e[i * ld + p] = scale * (q_i . k_p) for the NQ queries qs [NQ, hd] and keys p < n of kh; the last
+ * block of 16 is read from a zero-padded copy (pad: 16 * hd floats). */
+INLINE void scores_all(const int C, const float *qs, int NQ, const float *kh, int n, int hd, float scale, float *e,
+                       int64_t ld, float *pad) {
+    for (int p0 = 0; p0 < n; p0 += 16) {
+        const float *k = kh + (int64_t)p0 * hd;
+        if (p0 + 16 > n) {
+            memcpy(pad, k, (size_t)(n - p0) * hd * sizeof(float));
+            memset(pad + (int64_t)(n - p0) * hd, 0, (size_t)(p0 + 16 - n) * hd * sizeof(float));
+            k = pad;
+        }
+        for (int i = 0; i < NQ; i++) {
+            v16 q[8];
+            for (int cc = 0; cc < C; cc++) q[cc] = load16(qs + (int64_t)i * hd + 16 * cc);
+            store16(e + i * ld + p0, scores16(C, q, k, hd) * scale);
+        }
+    }
+}
+
+/* Units u = (sequence b, KV head g): the group's query heads for each of the sequence's T tokens
+ * against its cache. Token t sees positions 0..pos0+t of its own slot. */
+static void attend_units(void *c, int lo, int hi) {
+    const Attn *a = c;
+    const int hd = a->hd, T = a->T, G = a->group, NQ = T * G, Q = a->n_heads * hd;
+    const int64_t ld = round16(a->max_tokens + 16);
+    float *qs = a->scratch + (lo ? a->each : 0), *e = qs + round16((int64_t)NQ * hd), *sums = e + NQ * ld;
+    float *pad = sums + round16(NQ);
+    for (int u = lo; u < hi; u++) {
+        const int b = u / a->n_kv, g = u % a->n_kv, pos0 = a->pos0[b], nmax = pos0 + T;
+        const float *kh = a->kc + b * a->slot_stride + (int64_t)g * a->max_len * hd;
+        const float *vh = a->vc + b * a->slot_stride + (int64_t)g * a->max_len * hd;
+        for (int t = 0; t < T; t++)
+            memcpy(qs + (int64_t)t * G * hd, a->q + ((int64_t)b * T + t) * Q + (int64_t)g * G * hd,
+                   (size_t)G * hd * sizeof(float));
+        switch (hd % 16 == 0 && hd <= 128 ? hd / 16 : 0) {
+        case 1: scores_all(1, qs, NQ, kh, nmax, hd, a->scale, e, ld, pad); break;
+        case 2: scores_all(2, qs, NQ, kh, nmax, hd, a->scale, e, ld, pad); break;
+        case 4: scores_all(4, qs, NQ, kh, nmax, hd, a->scale, e, ld, pad); break;
+        case 8: scores_all(8, qs, NQ, kh, nmax, hd, a->scale, e, ld, pad); break;
+        default:  /* a head size the vector cases do not cover */
+            for (int p = 0; p < nmax; p++) dots(kh + (int64_t)p * hd, qs, hd, NQ, hd, e + p, ld);
+            for (int i = 0; i < NQ; i++)
+                for (int p = 0; p < nmax; p++) e[i * ld + p] *= a->scale;
+        }
+        for (int i = 0; i < NQ; i++) {
+            float *s = e + i * ld;
+            const int n = pos0 + i / G + 1, padded = (int)round16(n);
+            for (int p = n; p < padded; p++) s[p] = -INFINITY;
+            v16 mx = load16(s);
+            for (int p = 16; p < padded; p += 16) {
+                v16 x = load16(s + p);
+                mx = select16(x > mx, x, mx);
+            }
+            float m = mx[0];
+            for (int l = 1; l < 16; l++) m = mx[l] > m ? mx[l] : m;
+            v16 acc = {0};
+            for (int p = 0; p < padded; p += 16) {
+                v16 x = exp16(load16(s + p) - m);
+                store16(s + p, x);
+                acc += x;
+            }
+            sums[i] = hsum16(acc);
+            for (int p = padded; p < nmax; p++) s[p] = 0.f;
+        }
+        for (int i0 = 0; i0 < NQ; i0 += 4) {
+            int nb = NQ - i0 < 4 ? NQ - i0 : 4;
+            float *outs[4];
+            for (int i = 0; i < nb; i++) {
+                int t = (i0 + i) / G, h = g * G + (i0 + i) % G;
+                outs[i] = a->att + ((int64_t)b * T + t) * Q + (int64_t)h * hd;
+            }
+            attend_out_any(nb, hd, e + i0 * ld, ld, vh, pos0 + (i0 + nb - 1) / G + 1, sums + i0, outs);
+        }
+    }
+}
+
+/* ---- the decoder block ------------------------------------------------------------------------- */
+typedef struct {
+    int B, T, max_len;
+    const int32_t *pos0;
+    float *kc, *vc; /* this layer's cache, slot of sequence 0 */
+    int64_t slot_stride;
+} Batch;
+
+/* Decoder layer l over the batch's N = B x T tokens, in place on hidden [N, D]. routes (may be
+ * NULL): the chosen experts of token n at routes[n * route_stride + j]. */
+static void block(const Model *m, int l, float *hidden, const Batch *bt, int32_t *routes, int route_stride,
+                  float *scratch) {
     const int D = m->dim, H = m->n_heads, KV = m->n_kv_heads, hd = m->head_dim, E = m->n_experts, K = m->top_k;
-    const int Q = H * hd, KVD = KV * hd, group = H / KV;
-    const float inv_sqrt = 1.f / sqrtf((float)hd);
-    float *h = scratch, *q = h + (int64_t)T * D, *k = q + (int64_t)T * Q, *v = k + (int64_t)T * KVD;
-    float *att = v + (int64_t)T * KVD;
-    int inner = m->moe_inner > m->dense_inner ? m->moe_inner : m->dense_inner;
-    float *gu = att + (int64_t)T * Q, *probs = gu + (int64_t)T * 2 * inner;
-    float *act = probs + (int64_t)T * E, *y = act + 2 * inner, *scores = y + D;
+    const int Q = H * hd, KVD = KV * hd, B = bt->B, T = bt->T, N = B * T, half = hd / 2;
+    const Layout s = layout(m, B, T);
+    float *h = scratch + s.h, *q = scratch + s.q, *k = scratch + s.k, *v = scratch + s.v, *att = scratch + s.att;
+    float *y = scratch + s.y, *rope_tab = scratch + s.rope;
 
     /* attention */
-    for (int t = 0; t < T; t++) rms_norm(hidden + (int64_t)t * D, m->ln1[l], h + (int64_t)t * D, D, m->eps);
-    matvec(m->wq[l], h, q, Q, D, T, Q);
-    matvec(m->wk[l], h, k, KVD, D, T, KVD);
-    matvec(m->wv[l], h, v, KVD, D, T, KVD);
-    for (int t = 0; t < T; t++) {
-        int pos = pos0 + t;
+    for (int n = 0; n < N; n++) rms_norm(hidden + (int64_t)n * D, m->ln1[l], h + (int64_t)n * D, D, m->eps);
+    matmul(m->wq[l], h, D, q, Q, Q, D, N);
+    matmul(m->wk[l], h, D, k, KVD, KVD, D, N);
+    matmul(m->wv[l], h, D, v, KVD, KVD, D, N);
+    for (int n = 0; n < N; n++) {
+        const int b = n / T, pos = bt->pos0[b] + n % T;
+        const float *cs = rope_tab + (int64_t)n * hd, *sn = cs + half;
         for (int j = 0; j < H; j++) {
-            float *qj = q + (int64_t)t * Q + j * hd;
+            float *qj = q + (int64_t)n * Q + j * hd;
             if (m->q_norm[l]) rms_norm(qj, m->q_norm[l], qj, hd, m->eps);  /* NULL: none (Llama) */
-            rope(qj, hd, pos, m->inv_freq);
+            rope(qj, hd, cs, sn);
         }
+        float *kc = bt->kc + b * bt->slot_stride, *vc = bt->vc + b * bt->slot_stride;
         for (int j = 0; j < KV; j++) {
-            float *kj = k + (int64_t)t * KVD + j * hd;
+            float *kj = k + (int64_t)n * KVD + j * hd;
             if (m->k_norm[l]) rms_norm(kj, m->k_norm[l], kj, hd, m->eps);
-            rope(kj, hd, pos, m->inv_freq);
-            memcpy(kc + ((int64_t)j * max_len + pos) * hd, kj, hd * sizeof(float));
-            memcpy(vc + ((int64_t)j * max_len + pos) * hd, v + (int64_t)t * KVD + j * hd, hd * sizeof(float));
+            rope(kj, hd, cs, sn);
+            memcpy(kc + ((int64_t)j * bt->max_len + pos) * hd, kj, hd * sizeof(float));
+            memcpy(vc + ((int64_t)j * bt->max_len + pos) * hd, v + (int64_t)n * KVD + j * hd, hd * sizeof(float));
         }
     }
-    for (int t = 0; t < T; t++) {  /* causal: token t sees positions 0..pos0+t of its own slot */
-        int n = pos0 + t + 1;
-        for (int j = 0; j < H; j++) {
-            const float *qj = q + (int64_t)t * Q + j * hd;
-            const float *kh = kc + (int64_t)(j / group) * max_len * hd, *vh = vc + (int64_t)(j / group) * max_len * hd;
-            float mx = -INFINITY, sum = 0.f;
-            for (int p = 0; p < n; p++) {
-                scores[p] = dot(qj, kh + (int64_t)p * hd, hd) * inv_sqrt;
-                if (scores[p] > mx) mx = scores[p];
-            }
-            for (int p = 0; p < n; p++) sum += (scores[p] = expf(scores[p] - mx));
-            float *o = att + (int64_t)t * Q + j * hd;
-            memset(o, 0, hd * sizeof(float));
-            for (int p = 0; p < n; p++) {
-                const float w = scores[p] / sum, *vp = vh + (int64_t)p * hd;
-                for (int i = 0; i < hd; i++) o[i] += w * vp[i];
-            }
-        }
-    }
-    for (int t = 0; t < T; t++) {
-        matvec(m->wo[l], att + (int64_t)t * Q, y, D, Q, 1, D);
-        for (int i = 0; i < D; i++) hidden[(int64_t)t * D + i] += y[i];
-    }
+    Attn a = {T, hd, H / KV, H, bt->max_len, KV, m->max_tokens, bt->pos0, q, bt->kc, bt->vc, bt->slot_stride, att,
+              scratch + s.attn, s.attn_each, 1.f / sqrtf((float)hd)};
+    int64_t ctx = 0;
+    for (int b = 0; b < B; b++) ctx += bt->pos0[b] + T;
+    parallel(attend_units, &a, B * KV, ctx * KVD * 2);
+    matmul(m->wo[l], att, Q, y, D, D, Q, N);
+    for (int n = 0; n < N; n++)
+        for (int i = 0; i < D; i++) hidden[(int64_t)n * D + i] += y[(int64_t)n * D + i];
+
     /* feed-forward */
-    for (int t = 0; t < T; t++) rms_norm(hidden + (int64_t)t * D, m->ln2[l], h + (int64_t)t * D, D, m->eps);
+    for (int n = 0; n < N; n++) rms_norm(hidden + (int64_t)n * D, m->ln2[l], h + (int64_t)n * D, D, m->eps);
+    float *gu = scratch + s.gu, *act = scratch + s.act;
     if (m->router[l] == NULL) {
         int I = m->dense_inner;
-        for (int t = 0; t < T; t++) {
-            const float *ht = h + (int64_t)t * D;
-            matvec(m->gate[l], ht, act, I, D, 1, I);
-            matvec(m->up[l], ht, act + I, I, D, 1, I);
-            for (int i = 0; i < I; i++) act[i] = silu(act[i]) * act[I + i];
-            matvec(m->down_dense[l], act, y, D, I, 1, D);
-            for (int i = 0; i < D; i++) hidden[(int64_t)t * D + i] += y[i];
-        }
+        matmul(m->gate[l], h, D, gu, 2 * I, I, D, N);
+        matmul(m->up[l], h, D, gu + I, 2 * I, I, D, N);
+        for (int n = 0; n < N; n++) swiglu(gu + (int64_t)n * 2 * I, gu + (int64_t)n * 2 * I + I, act + (int64_t)n * I, I);
+        matmul(m->down_dense[l], act, I, y, D, D, I, N);
+        for (int n = 0; n < N; n++)
+            for (int i = 0; i < D; i++) hidden[(int64_t)n * D + i] += y[(int64_t)n * D + i];
         return;
     }
-    int I = m->moe_inner;
-    matvec(m->router[l], h, probs, E, D, T, E);
-    for (int t = 0; t < T; t++) {
-        float *p = probs + (int64_t)t * E, mx = -INFINITY, sum = 0.f, wsum = 0.f;
+    const int I = m->moe_inner;
+    float *probs = scratch + s.probs, *xg = scratch + s.xg, *weight = scratch + s.route + (int64_t)N * K;
+    int32_t *chosen = (int32_t *)(scratch + s.route), *slots = (int32_t *)(scratch + s.route + 2 * (int64_t)N * K);
+    matmul(m->router[l], h, D, probs, E, E, D, N);
+    for (int n = 0; n < N; n++) {
+        float *p = probs + (int64_t)n * E, mx = -INFINITY, sum = 0.f;
         for (int e = 0; e < E; e++) if (p[e] > mx) mx = p[e];
         for (int e = 0; e < E; e++) sum += (p[e] = expf(p[e] - mx));
         for (int e = 0; e < E; e++) p[e] /= sum;
-        int chosen[16];
-        float weight[16];
         for (int j = 0; j < K; j++) {  /* top-k, ties to the lower id */
             int best = -1;
             for (int e = 0; e < E; e++) {
                 int used = 0;
-                for (int u = 0; u < j; u++) used |= chosen[u] == e;
+                for (int u = 0; u < j; u++) used |= chosen[(int64_t)n * K + u] == e;
                 if (!used && (best < 0 || p[e] > p[best])) best = e;
             }
-            chosen[j] = best;
-            weight[j] = p[best];
-            wsum += p[best];
+            chosen[(int64_t)n * K + j] = best;
+            weight[(int64_t)n * K + j] = p[best];
+            if (routes) routes[(int64_t)n * route_stride + j] = best;
         }
-        float *ht = h + (int64_t)t * D, *out = hidden + (int64_t)t * D;
+    }
+    /* Each expert once over every token that chose it; outputs kept per (token, rank). */
+    for (int e = 0; e < E; e++) {
+        int cnt = 0;
+        for (int nj = 0; nj < N * K; nj++)
+            if (chosen[nj] == e) {
+                memcpy(xg + (int64_t)cnt * D, h + (int64_t)(nj / K) * D, D * sizeof(float));
+                slots[cnt++] = nj;
+            }
+        if (cnt == 0) continue;
+        matmul(m->gate_up[l] + (int64_t)e * 2 * I * D, xg, D, gu, 2 * I, 2 * I, D, cnt);
+        for (int c = 0; c < cnt; c++) swiglu(gu + (int64_t)c * 2 * I, gu + (int64_t)c * 2 * I + I, act + (int64_t)c * I, I);
+        matmul(m->down[l] + (int64_t)e * D * I, act, I, xg, D, D, I, cnt);  /* xg is free again */
+        for (int c = 0; c < cnt; c++) memcpy(y + (int64_t)slots[c] * D, xg + (int64_t)c * D, D * sizeof(float));
+    }
+    for (int n = 0; n < N; n++) {
+        float wsum = 0.f, *out = hidden + (int64_t)n * D;
+        for (int j = 0; j < K; j++) wsum += weight[(int64_t)n * K + j];
         for (int j = 0; j < K; j++) {
-            int e = chosen[j];
-            float w = m->norm_topk ? weight[j] / wsum : weight[j];
-            if (routes) routes[(int64_t)t * route_stride + j] = e;
-            matvec(m->gate_up[l] + (int64_t)e * 2 * I * D, ht, gu, 2 * I, D, 1, 2 * I);
-            for (int i = 0; i < I; i++) act[i] = silu(gu[i]) * gu[I + i];
-            matvec(m->down[l] + (int64_t)e * D * I, act, y, D, I, 1, D);
-            for (int i = 0; i < D; i++) out[i] += w * y[i];
+            float w = m->norm_topk ? weight[(int64_t)n * K + j] / wsum : weight[(int64_t)n * K + j];
+            const float *yj = y + ((int64_t)n * K + j) * D;
+            for (int i = 0; i < D; i++) out[i] += w * yj[i];
         }
     }
 }
 
-/* Run T tokens (ids at positions pos0.., one sequence) through the trunk.
- * k_cache/v_cache: this sequence's slot of layer 0; the layer stride and the cache length in
- * positions (max_len) locate the rest: [layer][kv_head][max_len][head_dim].
- * hidden: [T, D] out, the trunk's output before the final norm.
- * routes: [T, n_moe_layers, top_k] expert ids. */
-void kiln_trunk(const Model *m, const int64_t *ids, int T, int pos0, float *k_cache, float *v_cache,
-                int64_t layer_stride, int max_len, float *hidden, int32_t *routes, float *scratch) {
-    const int D = m->dim, K = m->top_k;
+static void rope_tables(const Model *m, const Batch *bt, float *tab) {
+    const int hd = m->head_dim, half = hd / 2;
+    for (int n = 0; n < bt->B * bt->T; n++) {
+        float *cs = tab + (int64_t)n * hd, *sn = cs + half;
+        int pos = bt->pos0[n / bt->T] + n % bt->T;
+        for (int i = 0; i < half; i++) {
+            float f = (float)pos * m->inv_freq[i];
+            cs[i] = cosf(f);
+            sn[i] = sinf(f);
+        }
+    }
+}
+
+/* Run B sequences of T tokens each (ids [B*T], sequence b at positions pos0[b]..) through the trunk.
+ * k_cache/v_cache: layer 0's cache of sequence 0's slot; sequence b's slot is slot_stride further,
+ * layer l's layer_stride further: [layer][slot][kv_head][max_len][head_dim].
+ * hidden: [B*T, D] out, the trunk's output before the final norm.
+ * routes: [B*T, n_moe_layers, top_k] expert ids. */
+void kiln_trunk(const Model *m, int B, int T, const int64_t *ids, const int32_t *pos0, float *k_cache, float *v_cache,
+                int64_t slot_stride, int64_t layer_stride, int max_len, float *hidden, int32_t *routes, float *scratch) {
+    const int D = m->dim, K = m->top_k, N = B * T;
     int n_moe = 0;
     for (int l = 0; l < m->n_layers; l++) n_moe += m->router[l] != NULL;
-    for (int t = 0; t < T; t++) memcpy(hidden + (int64_t)t * D, m->embed + ids[t] * D, D * sizeof(float));
+    for (int n = 0; n < N; n++) memcpy(hidden + (int64_t)n * D, m->embed + ids[n] * D, D * sizeof(float));
+    Batch bt = {B, T, max_len, pos0, k_cache, v_cache, slot_stride};
+    rope_tables(m, &bt, scratch + layout(m, B, T).rope);
     for (int l = 0, moe_i = 0; l < m->n_layers; l++) {
         int moe = m->router[l] != NULL;
-        block(m, l, hidden, T, pos0, k_cache + l * layer_stride, v_cache + l * layer_stride, max_len,
-              moe ? routes + moe_i * K : NULL, n_moe * K, scratch);
+        bt.kc = k_cache + l * layer_stride;
+        bt.vc = v_cache + l * layer_stride;
+        block(m, l, hidden, &bt, moe ? routes + moe_i * K : NULL, n_moe * K, scratch);
         moe_i += moe;
     }
 }
 
-/* MTP layer l (kiln/model/mtp.py): out [T, D] = block_l(eh_proj(cat(hnorm(h_in), enorm(embed(ids))))),
+/* MTP layer l (kiln/model/mtp.py): out [B*T, D] = block_l(eh_proj(cat(hnorm(h_in), enorm(embed(ids))))),
  * with the layer's own cache (as kiln_trunk's arguments). */
-void kiln_mtp_layer(const Model *m, int l, const float *h_in, const int64_t *ids, int T, int pos0, float *k_cache,
-                    float *v_cache, int64_t layer_stride, int max_len, float *out, float *scratch) {
-    const int D = m->dim;
-    float *cat = scratch + kiln_scratch_floats(m, T) - (int64_t)T * 2 * D;  /* the tail the block leaves alone */
-    for (int t = 0; t < T; t++) {
-        rms_norm(h_in + (int64_t)t * D, m->hnorm[l], cat + (int64_t)t * 2 * D, D, m->eps);
-        rms_norm(m->embed + ids[t] * D, m->enorm[l], cat + (int64_t)t * 2 * D + D, D, m->eps);
+void kiln_mtp_layer(const Model *m, int l, int B, int T, const float *h_in, const int64_t *ids, const int32_t *pos0,
+                    float *k_cache, float *v_cache, int64_t slot_stride, int64_t layer_stride, int max_len, float *out,
+                    float *scratch) {
+    const int D = m->dim, N = B * T;
+    const Layout s = layout(m, B, T);
+    float *cat = scratch + s.cat;
+    for (int n = 0; n < N; n++) {
+        rms_norm(h_in + (int64_t)n * D, m->hnorm[l], cat + (int64_t)n * 2 * D, D, m->eps);
+        rms_norm(m->embed + ids[n] * D, m->enorm[l], cat + (int64_t)n * 2 * D + D, D, m->eps);
     }
-    matvec(m->eh_proj[l], cat, out, D, 2 * D, T, D);
-    block(m, l, out, T, pos0, k_cache + l * layer_stride, v_cache + l * layer_stride, max_len, NULL, 0, scratch);
+    matmul(m->eh_proj[l], cat, 2 * D, out, D, D, 2 * D, N);
+    Batch bt = {B, T, max_len, pos0, k_cache + l * layer_stride, v_cache + l * layer_stride, slot_stride};
+    rope_tables(m, &bt, scratch + s.rope);
+    block(m, l, out, &bt, NULL, 0, scratch);
 }
 
-/* logits [T, V] = head(norm(hidden [T, D])), norm the final norm's weight (or an MTP layer's). */
-void kiln_head(const Model *m, const float *norm, const float *hidden, int T, int vocab, float *logits, float *scratch) {
-    for (int t = 0; t < T; t++) rms_norm(hidden + (int64_t)t * m->dim, norm, scratch + (int64_t)t * m->dim, m->dim, m->eps);
-    matvec(m->head, scratch, logits, vocab, m->dim, T, vocab);
+/* logits [N, V] = head(norm(hidden [N, D])), norm the final norm's weight (or an MTP layer's). */
+void kiln_head(const Model *m, const float *norm, const float *hidden, int N, int vocab, float *logits, float *scratch) {
+    for (int n = 0; n < N; n++) rms_norm(hidden + (int64_t)n * m->dim, norm, scratch + (int64_t)n * m->dim, m->dim, m->eps);
+    matmul(m->head, scratch, m->dim, logits, vocab, vocab, m->dim, N);
 }

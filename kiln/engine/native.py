@@ -1,4 +1,4 @@
-"""The native decoding step (native.c): one sequence, a few tokens, fp32 on the CPU.
+"""The native decoding step (native.c): a batch of sequences, a few tokens each, fp32 on the CPU.
 
 Built once per machine with the system C compiler into `~/.cache/kiln/native/` (keyed by the
 source, the compiler and the CPU, since it is compiled for this CPU's vector units) and loaded
@@ -7,9 +7,9 @@ copies into them) needs no rebuild. Where no compiler is found, or `KILN_NATIVE=
 decodes with `FastTrunk` as before.
 
 The engine uses it for forwards of at most `MAX_TOKENS` tokens per sequence (decoding and
-speculative verification, so both take the same per-token arithmetic) and a few sequences, one
-after another (engine.NATIVE_MAX_BATCH); prefills and larger batches go through torch, where
-matrix-matrix products win.
+speculative verification, so both take the same per-token arithmetic) over a batch of up to
+engine.NATIVE_MAX_BATCH sequences in one call, each weight read once for all of them; longer
+prefills go through torch, where matrix-matrix products win.
 """
 from __future__ import annotations
 
@@ -79,20 +79,15 @@ def _load() -> ctypes.CDLL | None:
         warnings.warn(f"kiln: building the native decoding step failed ({detail}); decoding uses the torch path",
                       stacklevel=3)
         return None
-    lib.kiln_scratch_floats.restype = ctypes.c_int64
-    lib.kiln_scratch_floats.argtypes = [ctypes.POINTER(_Model), ctypes.c_int]
+    vp, i32, i64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
+    lib.kiln_scratch_floats.restype = i64
+    lib.kiln_scratch_floats.argtypes = [ctypes.POINTER(_Model), i32, i32]
     lib.kiln_trunk.restype = None
-    lib.kiln_trunk.argtypes = [ctypes.POINTER(_Model), ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_void_p,
-                               ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p,
-                               ctypes.c_void_p]
-    lib.kiln_head.restype = None
+    lib.kiln_trunk.argtypes = [ctypes.POINTER(_Model), i32, i32, vp, vp, vp, vp, i64, i64, i32, vp, vp, vp]
     lib.kiln_mtp_layer.restype = None
-    lib.kiln_mtp_layer.argtypes = [ctypes.POINTER(_Model), ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int,
-                                   ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int,
-                                   ctypes.c_void_p, ctypes.c_void_p]
+    lib.kiln_mtp_layer.argtypes = [ctypes.POINTER(_Model), i32, i32, i32, vp, vp, vp, vp, vp, i64, i64, i32, vp, vp]
     lib.kiln_head.restype = None
-    lib.kiln_head.argtypes = [ctypes.POINTER(_Model), ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_int,
-                              ctypes.c_void_p, ctypes.c_void_p]
+    lib.kiln_head.argtypes = [ctypes.POINTER(_Model), vp, vp, i32, i32, vp, vp]
     return lib
 
 
@@ -167,12 +162,13 @@ def _struct(model, layers, max_len: int, keep: list, mtp_layers=None) -> _Model:
 
 
 class NativeTrunk:
-    """`FastTrunk`'s interface over native.c, for one sequence: (hidden, routes) = trunk(ids,
-    positions, cache, slot); `head(hidden)` for the logits; with an MTP module, `mtp_layer` runs
-    one of its layers (the drafter)."""
+    """`FastTrunk`'s interface over native.c for a batch of sequences in consecutive cache slots:
+    (hidden, routes) = trunk(ids, positions, cache, slot); `head(hidden)` for the logits; with an
+    MTP module, `mtp_layer` runs one of its layers (the drafter)."""
 
     def __init__(self, model, lib: ctypes.CDLL, max_len: int, mtp=None):
         self.model, self.mtp, self.lib, self.max_len = model, mtp, lib, max_len
+        self._scratch = torch.empty(0)
         self.refresh()
 
     def refresh(self) -> None:
@@ -183,45 +179,59 @@ class NativeTrunk:
         self.n_moe = sum(isinstance(layer.mlp, MoeBlock) for layer in layers)
         self.mtp_struct = None if self.mtp is None else _struct(
             self.model, [ml.block for ml in self.mtp.layers], self.max_len, self._keep, list(self.mtp.layers))
-        self._scratch = torch.empty(self.lib.kiln_scratch_floats(ctypes.byref(self.struct), MAX_TOKENS))
 
-    @staticmethod
-    def _check(t: int, pos0: int, cache, slot: int) -> None:
-        if t > MAX_TOKENS or pos0 + t > cache.max_len or not 0 <= slot < cache.slots:
-            raise ValueError(f"positions {pos0}..{pos0 + t - 1} of slot {slot} are outside the cache "
+    def scratch(self, b: int, t: int) -> int:
+        """The address of scratch memory for a call over b sequences of t tokens (grown as needed)."""
+        n = self.lib.kiln_scratch_floats(ctypes.byref(self.struct), b, t)
+        if self._scratch.numel() < n:
+            self._scratch = torch.empty(n)
+        return self._scratch.data_ptr()
+
+    def _check(self, positions: torch.Tensor, cache, slot: int) -> torch.Tensor:
+        """The first position of each row, int32 (each row's positions are consecutive)."""
+        b, t = positions.shape
+        pos0 = positions[:, 0].to(torch.int32).contiguous()
+        end = int(pos0.max()) + t if b else 0
+        if t > MAX_TOKENS or end > min(cache.max_len, self.max_len) or int(pos0.min()) < 0 \
+                or not (0 <= slot and slot + b <= cache.slots):
+            raise ValueError(f"positions up to {end - 1} of slots {slot}..{slot + b - 1} are outside the cache "
                              f"({cache.slots} slots of {cache.max_len} positions) or over {MAX_TOKENS} tokens")
+        return pos0
 
     def __call__(self, ids: torch.Tensor, positions: torch.Tensor, cache, slot: int):
-        """ids, positions [1, T] (consecutive positions, T <= MAX_TOKENS) -> (hidden [1, T, D]
-        before the final norm, routes [1, T, n_moe, k] int32 or None)."""
-        t, pos0 = ids.shape[1], int(positions[0, 0])
-        self._check(t, pos0, cache, slot)
+        """ids, positions [B, T] for the sequences in slots slot..slot+B-1 (consecutive positions in a
+        row, T <= MAX_TOKENS) -> (hidden [B, T, D] before the final norm, routes [B, T, n_moe, k]
+        int32 or None)."""
+        b, t = ids.shape
+        pos0 = self._check(positions, cache, slot)
         cfg = self.model.config
         ids64 = ids.reshape(-1).to(torch.int64).contiguous()
-        hidden = torch.empty(1, t, cfg.hidden_size)
-        routes = torch.empty(1, t, max(self.n_moe, 1), cfg.num_experts_per_tok, dtype=torch.int32)
+        hidden = torch.empty(b, t, cfg.hidden_size)
+        routes = torch.empty(b, t, max(self.n_moe, 1), cfg.num_experts_per_tok, dtype=torch.int32)
         k, v = cache.k[0, slot], cache.v[0, slot]
-        self.lib.kiln_trunk(ctypes.byref(self.struct), ids64.data_ptr(), t, pos0, k.data_ptr(),
-                            v.data_ptr(), cache.k.stride(0), cache.max_len, hidden.data_ptr(), routes.data_ptr(),
-                            self._scratch.data_ptr())
+        self.lib.kiln_trunk(ctypes.byref(self.struct), b, t, ids64.data_ptr(), pos0.data_ptr(), k.data_ptr(),
+                            v.data_ptr(), cache.k.stride(1), cache.k.stride(0), cache.max_len, hidden.data_ptr(),
+                            routes.data_ptr(), self.scratch(b, t))
         return hidden, (routes if self.n_moe else None)
 
-    def mtp_layer(self, k: int, hidden: torch.Tensor, ids: torch.Tensor, pos0: int, cache, slot: int) -> torch.Tensor:
-        """MTP layer k (0-based) over hidden [1, T, D] and the next tokens' ids [1, T] at positions
-        pos0.. of `slot` in the MTP cache -> its output [1, T, D]."""
-        t = ids.shape[1]
-        self._check(t, pos0, cache, slot)
+    def mtp_layer(self, k: int, hidden: torch.Tensor, ids: torch.Tensor, positions: torch.Tensor, cache,
+                  slot: int) -> torch.Tensor:
+        """MTP layer k (0-based) over hidden [B, T, D] and the next tokens' ids [B, T] at `positions`
+        [B, T] of slots slot.. in the MTP cache -> its output [B, T, D]."""
+        b, t = ids.shape
+        pos0 = self._check(positions, cache, slot)
         h_in = hidden.contiguous()
         ids64 = ids.reshape(-1).to(torch.int64).contiguous()
         out = torch.empty_like(h_in)
-        self.lib.kiln_mtp_layer(ctypes.byref(self.mtp_struct), k, h_in.data_ptr(), ids64.data_ptr(), t, pos0,
-                                cache.k[0, slot].data_ptr(), cache.v[0, slot].data_ptr(), cache.k.stride(0),
-                                cache.max_len, out.data_ptr(), self._scratch.data_ptr())
+        self.lib.kiln_mtp_layer(ctypes.byref(self.mtp_struct), k, b, t, h_in.data_ptr(), ids64.data_ptr(),
+                                pos0.data_ptr(), cache.k[0, slot].data_ptr(), cache.v[0, slot].data_ptr(),
+                                cache.k.stride(1), cache.k.stride(0), cache.max_len, out.data_ptr(),
+                                self.scratch(b, t))
         return out
 
     def head(self, hidden: torch.Tensor, norm: torch.Tensor | None = None) -> torch.Tensor:
         """Logits [..., V] of hidden states [..., D]: `norm` (default the final norm's weight), then
-        the output head."""
+        the output head (each weight row read once for all rows)."""
         cfg = self.model.config
         flat = hidden.reshape(-1, cfg.hidden_size).contiguous()
         logits = torch.empty(flat.shape[0], cfg.vocab_size)

@@ -15,6 +15,7 @@ import itertools
 from dataclasses import dataclass
 
 import numpy as np
+import torch
 
 from kiln.engine.kvcache import KVCache
 
@@ -22,7 +23,7 @@ from kiln.engine.kvcache import KVCache
 @dataclass
 class _Entry:
     tokens: np.ndarray  # the tokens whose keys and values the slot holds, in order
-    routes: list  # their routed experts ([L, k] per position), when the engine captures them
+    routes: torch.Tensor | None  # their routed experts [n, L, k], when the engine captures them
     used: int  # last use, on the cache's clock
 
 
@@ -36,7 +37,8 @@ class PrefixCache:
         self.hits = self.reused_tokens = 0
 
     def park(self, cache: KVCache, slot: int, tokens: list[int], routes: list) -> None:
-        """Keep the first len(tokens) positions of `cache`'s `slot`, which hold `tokens`."""
+        """Keep the first len(tokens) positions of `cache`'s `slot`, which hold `tokens`; routes:
+        chunks [n_i, L, k] over those positions (empty when the engine captures none)."""
         n = len(tokens)
         if n < self.min_tokens:
             return
@@ -50,12 +52,12 @@ class PrefixCache:
             i = free[0] if free else min(range(len(self.entries)), key=lambda j: self.entries[j].used)
         self.kv.k[:, i, :, :n] = cache.k[:, slot, :, :n]
         self.kv.v[:, i, :, :n] = cache.v[:, slot, :, :n]
-        self.entries[i] = _Entry(new, list(routes[:n]), next(self._clock))
+        self.entries[i] = _Entry(new, torch.cat(routes)[:n] if routes else None, next(self._clock))
 
-    def restore(self, prompt: list[int], cache: KVCache, slot: int) -> tuple[int, list]:
+    def restore(self, prompt: list[int], cache: KVCache, slot: int) -> tuple[int, torch.Tensor | list]:
         """Copy the longest kept prefix of `prompt` into `cache`'s `slot`, leaving at least the
         prompt's last token to feed (its logits start the completion). Returns how many positions
-        were restored (0: none) and their routes."""
+        were restored (0: none) and their routes ([n, L, k], or [] when none are kept)."""
         want = np.asarray(prompt, dtype=np.int64)
         best, n = None, 0
         for i, e in enumerate(self.entries):
@@ -71,7 +73,7 @@ class PrefixCache:
         e.used = next(self._clock)
         self.hits += 1
         self.reused_tokens += n
-        return n, e.routes[:n]
+        return n, (e.routes[:n] if e.routes is not None else [])
 
     def clear(self) -> None:
         """Forget every entry (new weights: kept keys and values belong to the old ones)."""

@@ -105,7 +105,7 @@ def draft(engine, start: int, reqs, hidden: torch.Tensor, start_positions: list[
         start_positions = [s - back for s in start_positions]
         n_valid = [n + back for n in n_valid]
     b, t, _ = hidden.shape
-    native = engine.native if b == 1 and t <= MAX_TOKENS and engine.native is not None else None
+    native = engine.native if t <= MAX_TOKENS and engine.native is not None else None
     pos = torch.tensor(start_positions, device=dev)[:, None] + torch.arange(t, device=dev)
     if native is None:
         engine.mtp_cache.begin(start, pos)
@@ -118,9 +118,9 @@ def draft(engine, start: int, reqs, hidden: torch.Tensor, start_positions: list[
     for k, layer in enumerate(mtp.layers, start=1):
         ids = torch.tensor([[_token_at(seq, r.drafts, s + i + k) for i in range(t)]
                             for seq, r, s in zip(seqs, reqs, start_positions)], device=dev)
-        if native is not None:  # one sequence: native.c's MTP layer and head
-            h = native.mtp_layer(k - 1, h, ids, start_positions[0], engine.mtp_cache, start)
-            logits = native.head(h[:, n_valid[0] - 1], norm=layer.norm.weight)
+        if native is not None:  # native.c's MTP layer and head, every sequence in one call
+            h = native.mtp_layer(k - 1, h, ids, pos, engine.mtp_cache, start)
+            logits = native.head(h[torch.arange(b, device=dev), last], norm=layer.norm.weight)
         else:
             h = layer(h, mtp.embed(model, ids), rope, cache=engine.mtp_cache)
             logits = mtp.logits(model, k - 1, h[torch.arange(b, device=dev), last]).float().cpu()

@@ -158,7 +158,10 @@ class Driver:
         self.calls[ref] = (role, kind, payload, time.monotonic())
 
     def _busy(self, role: str, kind: str) -> bool:
-        return any(r == role and k == kind for r, k, _, _ in self.calls.values())
+        return self._in_flight(role, kind) > 0
+
+    def _in_flight(self, role: str, kind: str) -> int:
+        return sum(r == role and k == kind for r, k, _, _ in self.calls.values())
 
     def run(self) -> dict:
         self.progress = time.monotonic()
@@ -192,7 +195,7 @@ class Driver:
                 del self.ready_at[role]
                 self._call(role, "ready")
         for role in self.roles[1:]:
-            if self.info[role] is None or self._busy(role, "rollout") or self.orch.finished():
+            if self.info[role] is None or self._in_flight(role, "rollout") >= rl.worker_groups or self.orch.finished():
                 continue
             job = self.orch.next_job(self.info[role]["name"], self.version[role])
             if job is not None:

@@ -43,7 +43,8 @@ def run_group(task, group_id: int, cfg, runner, out_dir: str, seed: int) -> str:
                 try:
                     params = SamplingParams(temperature=rl.temperature, seed=seed * 1000 + i)
                     policy = LocalPolicy(runner.engine, runner.engine.tok, params, runner=runner, timeout_s=rl.timeout_s)
-                    traj = Agent(policy, forks[i], cfg.harness).run(task.prompt, task_id=task.id, out=paths[i])
+                    # Saved once, graded (a crashed group is rolled out again, so no per-turn saves).
+                    traj = Agent(policy, forks[i], cfg.harness).run(task.prompt, task_id=task.id)
                     grades = grade(forks[i], task, traj)
                     grades["correctness"].pop("log_tail", None)
                     rewards[i] = reward_axes(grades, rl)

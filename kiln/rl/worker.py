@@ -6,9 +6,10 @@ verified, and handed to the engine, which applies it between two decoding steps:
 sequences keep their KV cache and go on under the new version (each token records the version
 that produced it). A corrupt version is never loaded; the worker keeps decoding with what it has.
 
-`rollout` runs in the actor's default concurrency group (one group at a time); `ready`, `version`
-and `close` in a "control" group of their own, so a health check never queues behind a long
-rollout. A group's files are written to a folder of this node and returned whole: the driver
+`rollout` runs in a "rollouts" concurrency group (the driver keeps rl.worker_groups calls in
+flight: that many groups at once, their rollouts decoding in the same engine batches); `ready`,
+`version` and `close` in a "control" group of their own, so a health check never queues behind a
+long rollout. A group's files are written to a folder of this node and returned whole: the driver
 keeps them (no shared filesystem).
 """
 from __future__ import annotations
@@ -28,7 +29,12 @@ from kiln import cluster
 POLL_S = 0.1
 
 
-@ray.remote(concurrency_groups={"control": 2})
+# Ray fixes concurrency groups at the class: "rollouts" has room for rl.worker_groups' upper bound, and the
+# driver never has more than rl.worker_groups rollout calls in flight on one worker.
+MAX_GROUPS = 8
+
+
+@ray.remote(concurrency_groups={"control": 2, "rollouts": MAX_GROUPS})
 class RolloutWorker:
     def __init__(self, cfg, start: dict, worker_id: int):
         from kiln.engine import Engine
@@ -59,10 +65,10 @@ class RolloutWorker:
                 time.sleep(POLL_S)
         model.load_state_dict(got[1])
         max_len = min(cfg.model.context, model.config.max_position_embeddings)
-        # Prefix reuse: one kept conversation per rollout of a group, as many again for the system
-        # prompt that every task's rollouts start with.
-        self.engine = Engine(model, tok, max_batch=rl.group_size, max_len=max_len, version=got[0],
-                             prefix_slots=2 * rl.group_size)
+        # rl.worker_groups groups at once share the engine's batches. Prefix reuse: one kept conversation
+        # per rollout, as many again for the prompts that every task's rollouts start with.
+        rows = rl.group_size * rl.worker_groups
+        self.engine = Engine(model, tok, max_batch=rows, max_len=max_len, version=got[0], prefix_slots=2 * rows)
         self.runner = EngineRunner(self.engine)
         self.runner.start()
         self.stop = threading.Event()
@@ -89,6 +95,7 @@ class RolloutWorker:
     def version(self) -> int:
         return self.engine.version
 
+    @ray.method(concurrency_group="rollouts")
     def rollout(self, job: dict) -> dict:
         """Roll out one group; -> its files ({name: JSON}) and the version the engine is on now."""
         from .rollout import run_group

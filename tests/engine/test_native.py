@@ -122,7 +122,7 @@ def test_native_mtp_layers_and_heads_match_torch():
     rope = rope_tables(model.model.inv_freq(torch.device("cpu")), pos, hidden.dtype)
     for k, layer in enumerate(mtp.layers):
         want = layer(hidden, mtp.embed(model, ids), rope, cache=ref)
-        got = native.mtp_layer(k, hidden, ids, 3, nat, 0)
+        got = native.mtp_layer(k, hidden, ids, pos, nat, 0)
         torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-5)
         torch.testing.assert_close(native.head(got, norm=layer.norm.weight), mtp.logits(model, k, want),
                                    atol=5e-5, rtol=1e-5)
@@ -158,3 +158,53 @@ def test_the_helper_thread_starts_only_with_a_second_cpu(cpus):
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False)
     assert out.returncode == 0, out.stderr
     assert int(out.stdout.strip()) == (0 if cpus == 1 else 1)
+
+
+@pytest.mark.parametrize("tokens", [1, 3])
+@torch.inference_mode()
+def test_a_batched_call_is_bit_identical_to_one_row_calls(tokens):
+    # Rows of different lengths in consecutive slots, T tokens each (decoding, or speculative
+    # verification): one call streams each weight once for all rows, and every row's hidden
+    # states, routes and cache entries equal those of its own one-row call, bit for bit.
+    model = tiny_model(5)[0]
+    native = NativeTrunk(model, LIB, 64)
+    cfg = model.config
+    rows, lengths = 5, [9, 3, 17, 1, 30]
+    one, many = (KVCache(cfg.num_hidden_layers, rows, 64, cfg.num_key_value_heads, cfg.head_dim, torch.float32)
+                 for _ in range(2))
+    for slot, n in enumerate(lengths):  # the same prefill into both caches
+        prompt = torch.randint(0, 512, (1, n))
+        for c in (one, many):
+            native(prompt[:, :16], torch.arange(min(n, 16))[None], c, slot)
+            if n > 16:
+                native(prompt[:, 16:], torch.arange(16, n)[None], c, slot)
+    ids = torch.randint(0, 512, (rows, tokens))
+    pos = torch.tensor(lengths)[:, None] + torch.arange(tokens)
+    singles = [native(ids[i:i + 1], pos[i:i + 1], one, i) for i in range(rows)]
+    hidden, routes = native(ids, pos, many, 0)
+    assert torch.equal(hidden, torch.cat([h for h, _ in singles]))
+    assert torch.equal(routes, torch.cat([r for _, r in singles]))
+    assert torch.equal(one.k, many.k) and torch.equal(one.v, many.v)
+    assert torch.equal(native.head(hidden), torch.cat([native.head(h) for h, _ in singles]))
+    # and the batch against the torch trunk, row by row
+    fast = FastTrunk(model)
+    for i in range(rows):
+        ref = KVCache(cfg.num_hidden_layers, 1, 64, cfg.num_key_value_heads, cfg.head_dim, torch.float32)
+        ref.k[:, 0], ref.v[:, 0] = one.k[:, i], one.v[:, i]
+        ref.begin(0, pos[i:i + 1])
+        want, want_routes = fast(ids[i:i + 1], pos[i:i + 1], ref)
+        torch.testing.assert_close(hidden[i:i + 1], want, atol=2e-5, rtol=1e-5)
+        assert torch.equal(routes[i:i + 1].long(), want_routes)
+
+
+@torch.inference_mode()
+def test_batched_engine_decoding_equals_one_sequence_at_a_time():
+    # The engine decodes its running sequences in one native call; each sequence's greedy tokens,
+    # logprobs and routes are exactly those it gets decoding alone.
+    model = tiny_model(6)[0]
+    prompts = [[5, 6, 7], [9] * 20, list(range(40, 52)), [3]]
+    greedy = SamplingParams(temperature=0, max_tokens=10, stop_token_ids=())
+    together = Engine(model, max_batch=4).generate(prompts, greedy)
+    alone = [Engine(model, max_batch=1).generate([p], greedy)[0] for p in prompts]
+    for a, b in zip(together, alone):
+        assert a.token_ids == b.token_ids and a.logprobs == b.logprobs and a.routes == b.routes
