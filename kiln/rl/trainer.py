@@ -120,6 +120,14 @@ class RLTrainer:
                 "tokens_per_s": n_tokens / max(time.monotonic() - t0, 1e-9)}
 
 
+def sampler_weights(model, dtype: str) -> dict[str, torch.Tensor]:
+    """What the trainer publishes: the model's weights as the samplers (engine.dtype) hold them, i.e.
+    the fp32 master itself or each tensor rounded to bf16 (a step's bf16 delta is sparse: at RL's lr
+    most bf16 values do not change)."""
+    to = getattr(torch, dtype)
+    return {k: v.detach().to(to) if v.is_floating_point() else v.detach() for k, v in model.state_dict().items()}
+
+
 def _chunks(rows):
     """Consecutive runs of ROWS_PER_CHUNK of `rows` (a count: 0..n-1, or row indices, sorted by length)."""
     idx = torch.arange(rows) if isinstance(rows, int) else rows
