@@ -6,7 +6,9 @@
 2. speculative decoding with a self-distilled MTP head against kiln's own plain decoding:
    identical greedy outputs?, mean accepted drafts per step, speedup;
 3. acceptance of the self-distilled head against a head trained on hard next-token labels for the
-   same number of steps from the same initialisation.
+   same number of steps from the same initialisation;
+4. the bf16 sampler (engine.dtype = "bfloat16": bf16 weight matrices, fp32 activations) against
+   the fp32 engine, tokens/s at batch 1 and 8, and how many greedy tokens equal the fp32 engine's.
 
 The model is the tiny preset's shape (`--depth` to change), trained here for a few minutes on the
 Python standard library so its distributions are code-like (an untrained model makes acceptance
@@ -18,7 +20,8 @@ About 15 minutes on 2 cores (training is most of it); the timed decoding runs ta
 of three.
 
 Last line: `name=value` pairs including speedup_vs_hf_b1, speedup_vs_hf_b8, greedy_identical,
-spec_mean_accepted, spec_speedup, selfdistill_acceptance, hardlabel_acceptance.
+spec_mean_accepted, spec_speedup, selfdistill_acceptance, hardlabel_acceptance, bf16_speedup_b1,
+bf16_speedup_b8.
 """
 from __future__ import annotations
 
@@ -144,8 +147,8 @@ def main() -> None:
             return hf.generate(torch.tensor(ps, device=dev), max_new_tokens=n, min_new_tokens=n, do_sample=False,
                                pad_token_id=tok.pad_id)[:, len(ps[0]):].tolist()
 
-    def kiln_generate(ps, mtp=None, batch=None):
-        engine = Engine(model, mtp=mtp, max_batch=batch or len(ps), max_len=64 + n + 8)
+    def kiln_generate(ps, mtp=None, batch=None, weights=model, dtype=torch.float32):
+        engine = Engine(weights, mtp=mtp, max_batch=batch or len(ps), max_len=64 + n + 8, weight_dtype=dtype)
         outs = engine.generate(ps, greedy)
         return [o.token_ids for o in outs], engine.spec_stats
 
@@ -161,6 +164,19 @@ def main() -> None:
         r[f"hf_greedy_match_b{b}"] = hf_out == k_out
         print(f"batch {b}: hf {b * n / hf_s:.0f} tok/s, kiln {b * n / k_s:.0f} tok/s, "
               f"x{hf_s / k_s:.2f}, same tokens as hf: {hf_out == k_out}", flush=True)
+
+    rounded = copy.deepcopy(model)  # a bf16 engine rounds its model's weights in place
+    for b in (1, 8):
+        ps = prompts[:b]
+        kiln_generate(ps, weights=rounded, dtype=torch.bfloat16)  # warm up
+        f_s, (f_out, _) = timed(lambda ps=ps: kiln_generate(ps))
+        b_s, (b_out, _) = timed(lambda ps=ps: kiln_generate(ps, weights=rounded, dtype=torch.bfloat16))
+        same = sum(len(_common_prefix(x, y)) for x, y in zip(f_out, b_out)) / (b * n)
+        r[f"kiln_bf16_tokens_per_s_b{b}"] = b * n / b_s
+        r[f"bf16_speedup_b{b}"] = f_s / b_s
+        r[f"bf16_greedy_prefix_b{b}"] = same
+        print(f"batch {b}: kiln fp32 {b * n / f_s:.0f} tok/s, bf16 {b * n / b_s:.0f} tok/s, x{f_s / b_s:.2f}; "
+              f"greedy tokens before the first that differs from fp32's: {same:.1%}", flush=True)
 
     plain_s, (plain, _) = timed(lambda: kiln_generate(prompts[:1]))
     spec_s, (spec, _stats) = timed(lambda: kiln_generate(prompts[:1], mtp_sd))
@@ -178,6 +194,11 @@ def main() -> None:
           + ", hard labels " + " ".join(f"{a:.3f}" for a in hl_stats.acceptance))
     r.update(depth=args.depth, mtp_depth=args.mtp_depth, threads=torch.get_num_threads(), tokens=n, device=dev)
     print(" ".join(f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}" for k, v in r.items()))
+
+
+def _common_prefix(a: list, b: list) -> list:
+    n = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+    return a[:n]
 
 
 if __name__ == "__main__":
