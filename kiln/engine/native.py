@@ -37,10 +37,7 @@ _P = ctypes.POINTER(ctypes.c_float)
 _PP = ctypes.POINTER(_P)
 
 
-# Weight matrices: the tensors the C code reads in the step's weight dtype (bf16 copies for a bf16
-# step); norm weights and RoPE frequencies are always the model's fp32 tensors.
-MATRICES = ("embed", "head", "wq", "wk", "wv", "wo", "router", "gate_up", "down", "gate", "up", "down_dense",
-            "eh_proj")
+# The weight matrices' dtypes the C code reads (norm weights and RoPE frequencies are always fp32).
 DTYPES = (torch.float32, torch.bfloat16)
 
 
