@@ -6,7 +6,9 @@
 2. speculative decoding with a self-distilled MTP head against kiln's own plain decoding:
    identical greedy outputs?, mean accepted drafts per step, speedup;
 3. acceptance of the self-distilled head against a head trained on hard next-token labels for the
-   same number of steps from the same initialisation.
+   same number of steps from the same initialisation;
+4. the bf16 sampler (engine.dtype = "bfloat16": bf16 weight matrices, fp32 activations) against
+   the fp32 engine, tokens/s at batch 1 and 8, and how many greedy tokens equal the fp32 engine's.
 
 The model is the tiny preset's shape (`--depth` to change), trained here for a few minutes on the
 Python standard library so its distributions are code-like (an untrained model makes acceptance
@@ -15,10 +17,13 @@ meaningless). Prompts come from a package held out of training.
     .venv/bin/python benchmarks/decode.py [--depth 4] [--train-steps 300] [--mtp-steps 200]
 
 About 15 minutes on 2 cores (training is most of it); the timed decoding runs take the median
-of three.
+of three. `--checkpoint DIR` decodes a trained checkpoint instead (e.g. the committed base,
+bases/tiny: the tiny preset's shape, trained on code) with its tokenizer, skipping the training
+and parts 2 and 3.
 
 Last line: `name=value` pairs including speedup_vs_hf_b1, speedup_vs_hf_b8, greedy_identical,
-spec_mean_accepted, spec_speedup, selfdistill_acceptance, hardlabel_acceptance.
+spec_mean_accepted, spec_speedup, selfdistill_acceptance, hardlabel_acceptance, bf16_speedup_b1,
+bf16_speedup_b8.
 """
 from __future__ import annotations
 
@@ -32,13 +37,18 @@ from pathlib import Path
 
 import torch
 
-from kiln.config import ModelSection
+from kiln.config import ModelSection, project_path
 from kiln.engine import Engine, SamplingParams
-from kiln.model.checkpoint import save_checkpoint
+from kiln.model.checkpoint import load_checkpoint, save_checkpoint
 from kiln.model.config import ModelConfig
 from kiln.model.moe import MoeForCausalLM
 from kiln.model.mtp import MTP, mtp_loss
-from kiln.model.tokenizer import iter_corpus, list_corpus_files, train_tokenizer
+from kiln.model.tokenizer import (
+    iter_corpus,
+    list_corpus_files,
+    load_tokenizer,
+    train_tokenizer,
+)
 
 STDLIB = Path(sysconfig.get_paths()["stdlib"])
 HELD_OUT = "email"  # prompts come from this package; it is never trained on
@@ -111,15 +121,21 @@ def main() -> None:
     ap.add_argument("--mtp-depth", type=int, default=2)
     ap.add_argument("--tokens", type=int, default=128, help="generated tokens per sequence")
     ap.add_argument("--device", default="cpu", help="cpu or cuda (both engines run there)")
+    ap.add_argument("--checkpoint", default=None, help="a trained checkpoint to decode instead of training one")
     args = ap.parse_args()
     torch.manual_seed(0)
+    dev = args.device
+    if args.checkpoint:
+        ckpt = project_path(args.checkpoint)
+        model, _ = load_checkpoint(ckpt, device=dev, with_mtp=False)
+        decode(args, load_tokenizer(ckpt), model.eval(), None, None, ckpt)
+        return
     tmp = Path(tempfile.mkdtemp(prefix="kiln-decode-"))
 
     t0 = time.time()
     tok = train_tokenizer(list_corpus_files([STDLIB]), tmp / "tok", vocab_size=args.vocab, max_bytes=8_000_000).tokenizer
     data = corpus_tokens(tok, max_bytes=6_000_000)
     cfg = ModelConfig.from_depth(args.depth, vocab_size=tok.vocab_size)
-    dev = args.device
     model = MoeForCausalLM(cfg).to(dev)
     lm_loss = train_model(model, data, args.train_steps, dev)
     mtp_sd = MTP(cfg, args.mtp_depth).to(dev)
@@ -128,7 +144,13 @@ def main() -> None:
     hl_loss = train_mtp(model, mtp_hl, data, args.mtp_steps, "hard", dev)
     print(f"setup: {len(data)} training tokens, lm loss {lm_loss:.3f}, mtp distill KL {sd_loss:.3f}, "
           f"hard CE {hl_loss:.3f}, {time.time() - t0:.0f} s", flush=True)
+    save_checkpoint(model, tmp / "ckpt")
+    decode(args, tok, model, mtp_sd, mtp_hl, tmp / "ckpt")
 
+
+def decode(args, tok, model, mtp_sd, mtp_hl, ckpt: Path) -> None:
+    """The timed comparisons (parts 2 and 3 with the MTP heads) and the last line."""
+    dev = args.device
     held = [f for f in list_corpus_files([STDLIB / HELD_OUT]) if f.suffix == ".py"]
     prompts = [tok.encode(f.read_text())[:32] for f in held[:BATCH]]
     greedy = SamplingParams(temperature=0, max_tokens=args.tokens, stop_token_ids=())
@@ -136,16 +158,15 @@ def main() -> None:
 
     import transformers  # the baseline only
 
-    save_checkpoint(model, tmp / "ckpt")
-    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp / "ckpt", dtype=torch.float32).to(dev).eval()
+    hf = transformers.AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32).to(dev).eval()
 
     def hf_generate(ps):
         with torch.inference_mode():
             return hf.generate(torch.tensor(ps, device=dev), max_new_tokens=n, min_new_tokens=n, do_sample=False,
                                pad_token_id=tok.pad_id)[:, len(ps[0]):].tolist()
 
-    def kiln_generate(ps, mtp=None, batch=None):
-        engine = Engine(model, mtp=mtp, max_batch=batch or len(ps), max_len=64 + n + 8)
+    def kiln_generate(ps, mtp=None, batch=None, weights=model, dtype=torch.float32):
+        engine = Engine(weights, mtp=mtp, max_batch=batch or len(ps), max_len=64 + n + 8, weight_dtype=dtype)
         outs = engine.generate(ps, greedy)
         return [o.token_ids for o in outs], engine.spec_stats
 
@@ -162,6 +183,23 @@ def main() -> None:
         print(f"batch {b}: hf {b * n / hf_s:.0f} tok/s, kiln {b * n / k_s:.0f} tok/s, "
               f"x{hf_s / k_s:.2f}, same tokens as hf: {hf_out == k_out}", flush=True)
 
+    rounded = copy.deepcopy(model)  # a bf16 engine rounds its model's weights in place
+    for b in (1, 8):
+        ps = prompts[:b]
+        kiln_generate(ps, weights=rounded, dtype=torch.bfloat16)  # warm up
+        f_s, (f_out, _) = timed(lambda ps=ps: kiln_generate(ps))
+        b_s, (b_out, _) = timed(lambda ps=ps: kiln_generate(ps, weights=rounded, dtype=torch.bfloat16))
+        same = sum(len(_common_prefix(x, y)) for x, y in zip(f_out, b_out)) / (b * n)
+        r[f"kiln_bf16_tokens_per_s_b{b}"] = b * n / b_s
+        r[f"bf16_speedup_b{b}"] = f_s / b_s
+        r[f"bf16_greedy_prefix_b{b}"] = same
+        print(f"batch {b}: kiln fp32 {b * n / f_s:.0f} tok/s, bf16 {b * n / b_s:.0f} tok/s, x{f_s / b_s:.2f}; "
+              f"greedy tokens before the first that differs from fp32's: {same:.1%}", flush=True)
+
+    r.update(depth=model.config.num_hidden_layers, threads=torch.get_num_threads(), tokens=n, device=dev)
+    if mtp_sd is None:
+        print(" ".join(f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}" for k, v in r.items()))
+        return
     plain_s, (plain, _) = timed(lambda: kiln_generate(prompts[:1]))
     spec_s, (spec, _stats) = timed(lambda: kiln_generate(prompts[:1], mtp_sd))
     all_plain, _ = kiln_generate(prompts, batch=1)
@@ -176,8 +214,13 @@ def main() -> None:
     r["selfdistill_mean_accepted"], r["hardlabel_mean_accepted"] = sd_stats.mean_accepted, hl_stats.mean_accepted
     print("acceptance per draft position: self-distilled " + " ".join(f"{a:.3f}" for a in sd_stats.acceptance)
           + ", hard labels " + " ".join(f"{a:.3f}" for a in hl_stats.acceptance))
-    r.update(depth=args.depth, mtp_depth=args.mtp_depth, threads=torch.get_num_threads(), tokens=n, device=dev)
+    r.update(mtp_depth=args.mtp_depth)
     print(" ".join(f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}" for k, v in r.items()))
+
+
+def _common_prefix(a: list, b: list) -> list:
+    n = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+    return a[:n]
 
 
 if __name__ == "__main__":

@@ -126,6 +126,13 @@ class PolicyConfig(Section):
     oracle_mistakes: float = Field(0.0, ge=0, le=1)
 
 
+class EngineConfig(Section):
+    """kiln's own decoding engine (kiln/engine/), where `kiln rl` samples and `kiln bench` runs a local policy."""
+    # The weights the sampler decodes with: bfloat16 rounds them from the fp32 checkpoint (the RL trainer
+    # keeps its fp32 master and publishes the rounded weights); activations and sums stay fp32 either way.
+    dtype: Literal["float32", "bfloat16"] = "float32"
+
+
 class ModelSection(Section):
     """The model's shape (kiln/model/config.py derives the rest from `depth`)."""
     depth: int = Field(4, ge=1)  # layers = depth, width = 64 * depth, heads of 64
@@ -339,6 +346,7 @@ class Config(Section):
     harness: HarnessConfig = HarnessConfig()
     policy: PolicyConfig = PolicyConfig()
     model: ModelSection = ModelSection()
+    engine: EngineConfig = EngineConfig()
     corpus: CorpusConfig = CorpusConfig()
     pretrain: PretrainConfig = PretrainConfig()
     sft: SftConfig = SftConfig()

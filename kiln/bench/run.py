@@ -178,7 +178,7 @@ def run_bench(suite_dir: str, policy_name: str, passes: int = 1, workers: int = 
     skipped = len(wanted & log.done)
     start, errors, consecutive, aborted = time.monotonic(), 0, 0, ""
     try:  # loaded only when there is work: a resumed run with nothing left needs no model
-        runner = (start_engine(config.policy.checkpoint, workers, config.policy.speculative)
+        runner = (start_engine(config.policy.checkpoint, workers, config.policy.speculative, config.engine.dtype)
                   if policy_name == "local" and todo else None)
     except BaseException:
         log.close()
@@ -256,8 +256,9 @@ def run_bench(suite_dir: str, policy_name: str, passes: int = 1, workers: int = 
     return summary
 
 
-def start_engine(checkpoint: str, max_batch: int, speculative: bool = False):
-    """The checkpoint's model and tokenizer in one engine (on the GPU when there is one), batching
+def start_engine(checkpoint: str, max_batch: int, speculative: bool = False, dtype: str = "float32"):
+    """The checkpoint's model and tokenizer in one engine (on the GPU when there is one, with `dtype`
+    weights: engine.dtype), batching
     up to max_batch sequences, on a started EngineRunner; the caller closes it. Speculative: with
     the MTP drafter; otherwise with prefix reuse (2 x max_batch kept sequences), so each turn of a
     rollout prefills only its new tokens. No routes: only RL's router replay reads them."""
@@ -275,7 +276,7 @@ def start_engine(checkpoint: str, max_batch: int, speculative: bool = False):
     except (ValueError, OSError) as e:  # CheckpointError is a ValueError
         raise BenchError(f"policy.checkpoint {checkpoint!r} cannot be loaded: {e}") from None
     runner = EngineRunner(Engine(model, tok, mtp, max_batch=max_batch, capture_routes=False,
-                                prefix_slots=0 if mtp else 2 * max_batch))
+                                prefix_slots=0 if mtp else 2 * max_batch, weight_dtype=getattr(torch, dtype)))
     runner.start()
     return runner
 

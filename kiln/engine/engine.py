@@ -90,18 +90,27 @@ class Request:
 
 class Engine:
     def __init__(self, model, tokenizer=None, mtp=None, max_batch: int = 8, max_len: int | None = None,
-                 version: int = 0, capture_routes: bool = True, native: bool = True, prefix_slots: int = 0):
-        """prefix_slots: finished sequences kept for prefix reuse (prefix.py); 0 = none."""
+                 version: int = 0, capture_routes: bool = True, native: bool = True, prefix_slots: int = 0,
+                 weight_dtype: torch.dtype = torch.float32):
+        """prefix_slots: finished sequences kept for prefix reuse (prefix.py); 0 = none.
+        weight_dtype bfloat16 (an fp32 model): a bf16 sampler. The model's (and MTP's) parameters are
+        rounded to bf16 in place, here and at every weight update; the native step reads bf16 copies
+        of the weight matrices, torch (prefills) the rounded fp32 values, activations stay fp32."""
         cfg = model.config
         if prefix_slots and mtp is not None:
             raise ValueError("prefix reuse does not cover the MTP drafter's cache yet: give prefix_slots=0 "
                              "with an MTP module, or decode without it")
+        if weight_dtype not in (torch.float32, torch.bfloat16):
+            raise ValueError(f"weight_dtype must be torch.float32 or torch.bfloat16, not {weight_dtype}")
+        p = next(model.parameters())
+        if weight_dtype == torch.bfloat16 and p.dtype != torch.float32:
+            raise ValueError(f"a bf16 sampler keeps fp32 activations: give an fp32 model (this one is {p.dtype})")
         self.model, self.tok, self.mtp = model, tokenizer, mtp
         self.version, self.capture_routes = version, capture_routes
         self.max_batch = max_batch
         self.max_len = max_len or cfg.max_position_embeddings
-        p = next(model.parameters())
-        self.device, self.dtype = p.device, p.dtype
+        self.device, self.dtype, self.weight_dtype = p.device, p.dtype, weight_dtype
+        self._round()
         self.cache = KVCache(cfg.num_hidden_layers, max_batch, self.max_len, cfg.num_key_value_heads,
                              cfg.head_dim, self.dtype, self.device)
         self.mtp_cache = None if mtp is None else KVCache(
@@ -114,7 +123,7 @@ class Engine:
             log.warning("kiln: the native decoding step does not cover %s models; this engine decodes through torch",
                         cfg.model_type)
         lib = library() if native and self.device.type == "cpu" and supported(model, mtp) else None
-        self.native = NativeTrunk(model, lib, self.max_len, mtp) if lib is not None else None
+        self.native = NativeTrunk(model, lib, self.max_len, mtp, weight_dtype) if lib is not None else None
         self.running: list[Request] = []
         self.waiting: queue.Queue[Request] = queue.Queue()
         self._pending: tuple | None = None
@@ -198,14 +207,31 @@ class Engine:
             return
         state, version, mtp_state = pending
         _copy_into(self.model, state)
+        if mtp_state is not None and self.mtp is not None:
+            _copy_into(self.mtp, mtp_state)
+        self._round()
         for trunk in (self.fast, self.native):
             if trunk is not None:
                 trunk.refresh()
-        if mtp_state is not None and self.mtp is not None:
-            _copy_into(self.mtp, mtp_state)
         if self.prefix is not None:
             self.prefix.clear()  # kept prefixes are the old weights' (running sequences carry on, by design)
         self.version = version
+
+    def _round(self) -> None:
+        """A bf16 sampler's parameters hold bf16 values (exact in fp32, so torch computes on them as
+        they are); a no-op for the bf16 weights the trainer publishes."""
+        if self.weight_dtype == torch.float32:
+            return
+        with torch.no_grad():
+            for module in (self.model, self.mtp):
+                for t in (module.parameters() if module is not None else ()):
+                    t.copy_(t.to(self.weight_dtype))
+
+    def sampler_weights(self) -> dict[str, torch.Tensor]:
+        """The model's weights as this engine samples with them, by state-dict name, in its weight
+        dtype: with a bf16 native step, the very copies it reads (the rest rounded from the model)."""
+        held = self.native.held if self.native is not None else {}
+        return {k: held.get(v.data_ptr(), v.to(self.weight_dtype)) for k, v in self.model.state_dict().items()}
 
     def _admit(self) -> None:
         while len(self.running) < self.max_batch:

@@ -1,5 +1,5 @@
-/* kiln's native decoding step: the fp32 MoE trunk for a batch of sequences and a few tokens each,
- * in plain C.
+/* kiln's native decoding step: the MoE trunk for a batch of sequences and a few tokens each, in
+ * plain C, with fp32 activations and fp32 or bf16 weight matrices.
  *
  * Decoding a tiny model one token at a time on a CPU costs hundreds of small tensor ops per token,
  * each a dispatch; this does the same math (kiln/model/moe.py; also Qwen3 dense and Llama, whose
@@ -15,6 +15,11 @@
  * router ranked them. So a batched call is bit-identical to one-row calls, and a k-token call
  * (speculative verification) to k one-token calls (plain decoding).
  *
+ * bf16 weights (Model.wbf16) are widened to fp32 in registers as they are loaded: a bf16 value is
+ * the upper half of an fp32, so widening is exact and a bf16 call is bit-identical to an fp32 call
+ * on the same (rounded) values, and it reads half the bytes. The arithmetic stays fp32 (AVX-512
+ * BF16's dot-product instruction would also round the activations to bf16).
+ *
  * Built by kiln/engine/native.py with the system C compiler; no Python or torch headers. The
  * vectors are GCC/Clang vector extensions (AVX-512 where -march=native has it, otherwise the
  * compiler splits them into what the CPU has).
@@ -27,23 +32,28 @@
 #include <stdint.h>
 #include <string.h>
 
+/* Weight matrices (void: fp32, or bf16 when wbf16) and fp32 norm weights. */
 typedef struct {
     int n_layers, dim, n_heads, n_kv_heads, head_dim, n_experts, top_k, moe_inner, dense_inner;
-    int norm_topk, max_tokens;
+    int norm_topk, max_tokens, wbf16;
     float eps;
-    const float *embed, *head, *inv_freq;
+    const void *embed, *head;
+    const float *inv_freq;
     /* per layer (arrays of n_layers pointers); a layer is MoE when router[l] is not NULL; q_norm and
      * k_norm are NULL for a family without them */
-    const float **ln1, **wq, **wk, **wv, **q_norm, **k_norm, **wo, **ln2;
-    const float **router, **gate_up, **down;  /* MoE: [E, D], [E, 2I, D], [E, D, I] */
-    const float **gate, **up, **down_dense;   /* dense SwiGLU: [I, D], [I, D], [D, I] */
-    const float **hnorm, **enorm, **eh_proj;   /* MTP layers only: [D], [D], [D, 2D] */
+    const float **ln1, **q_norm, **k_norm, **ln2;
+    const void **wq, **wk, **wv, **wo;
+    const void **router, **gate_up, **down;  /* MoE: [E, D], [E, 2I, D], [E, D, I] */
+    const void **gate, **up, **down_dense;   /* dense SwiGLU: [I, D], [I, D], [D, I] */
+    const float **hnorm, **enorm;             /* MTP layers only: [D], [D] */
+    const void **eh_proj;                     /* MTP layers only: [D, 2D] */
 } Model;
 
 typedef float v16 __attribute__((vector_size(64)));
 typedef float v8 __attribute__((vector_size(32)));
 typedef float v4 __attribute__((vector_size(16)));
 typedef int32_t v16i __attribute__((vector_size(64)));
+typedef uint16_t v16h __attribute__((vector_size(32)));
 #define INLINE static inline __attribute__((always_inline))
 #define MAX_BLOCK 4 /* input vectors sharing one pass over a weight row */
 
@@ -55,6 +65,27 @@ INLINE v16 load16(const float *p) {
 
 INLINE void store16(float *p, v16 x) { memcpy(p, &x, sizeof x); }
 
+/* 16 weights from element i of an fp32 (BF = 0) or bf16 (BF = 1) matrix, as fp32. */
+INLINE v16 loadw(const void *w, int64_t i, const int BF) {
+    if (!BF) return load16((const float *)w + i);
+    v16h h;
+    memcpy(&h, (const uint16_t *)w + i, sizeof h);
+    return (v16)(__builtin_convertvector(h, v16i) << 16);
+}
+
+INLINE float weight_at(const void *w, int64_t i, const int BF) {
+    if (!BF) return ((const float *)w)[i];
+    uint32_t u = (uint32_t)((const uint16_t *)w)[i] << 16;
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+/* The address of element i of a weight matrix. */
+INLINE const void *weight_ptr(const void *w, int64_t i, int bf) {
+    return (const char *)w + i * (bf ? 2 : 4);
+}
+
 INLINE v16 select16(v16i mask, v16 a, v16 b) { return (v16)(((v16i)a & mask) | ((v16i)b & ~mask)); }
 
 INLINE float hsum16(v16 s) {
@@ -63,16 +94,18 @@ INLINE float hsum16(v16 s) {
     return (b[0] + b[2]) + (b[1] + b[3]);
 }
 
-/* out[v * os] = w . x_v for v < NV, x_v = x + v * xs, each over n floats. Per v the arithmetic is
- * fixed (four accumulators over 64-float strides, then 16-float steps, a fixed reduction, a scalar
- * tail), so the result does not depend on NV or on which other vectors share the pass. */
-INLINE void dotv(const float *w, const float *x, int64_t xs, const int NV, int n, float *out, int64_t os) {
+/* out[v * os] = w . x_v for v < NV, x_v = x + v * xs, each over n floats (w fp32 or, BF, bf16). Per v
+ * the arithmetic is fixed (four accumulators over 64-float strides, then 16-float steps, a fixed
+ * reduction, a scalar tail), so the result does not depend on NV or on which other vectors share
+ * the pass. */
+INLINE void dotv(const void *w, const int BF, const float *x, int64_t xs, const int NV, int n, float *out,
+                 int64_t os) {
     v16 acc[MAX_BLOCK][4];
     for (int v = 0; v < NV; v++)
         for (int j = 0; j < 4; j++) acc[v][j] = (v16){0};
     int i = 0;
     for (; i + 64 <= n; i += 64) {
-        v16 w0 = load16(w + i), w1 = load16(w + i + 16), w2 = load16(w + i + 32), w3 = load16(w + i + 48);
+        v16 w0 = loadw(w, i, BF), w1 = loadw(w, i + 16, BF), w2 = loadw(w, i + 32, BF), w3 = loadw(w, i + 48, BF);
         for (int v = 0; v < NV; v++) {
             const float *xv = x + v * xs + i;
             acc[v][0] += w0 * load16(xv);
@@ -82,29 +115,44 @@ INLINE void dotv(const float *w, const float *x, int64_t xs, const int NV, int n
         }
     }
     for (; i + 16 <= n; i += 16) {
-        v16 w0 = load16(w + i);
+        v16 w0 = loadw(w, i, BF);
         for (int v = 0; v < NV; v++) acc[v][0] += w0 * load16(x + v * xs + i);
     }
+    /* The scalar tail reads fp32 either way: bf16 weights widened into a buffer first (converting
+     * inside the loop let GCC vectorise it, rounding each product before the in-order sum). */
+    float tail[16];
+    const float *wt = BF ? tail : (const float *)w + i;
+    for (int k = i; BF && k < n; k++) tail[k - i] = weight_at(w, k, BF);
     for (int v = 0; v < NV; v++) {
         float r = hsum16((acc[v][0] + acc[v][1]) + (acc[v][2] + acc[v][3]));
-        for (int k = i; k < n; k++) r += w[k] * x[v * xs + k];
+        for (int k = i; k < n; k++) r += wt[k - i] * x[v * xs + k];
         out[v * os] = r;
     }
 }
 
-static void dots(const float *w, const float *x, int64_t xs, int nv, int n, float *out, int64_t os) {
-    for (; nv >= 4; nv -= 4, x += 4 * xs, out += 4 * os) dotv(w, x, xs, 4, n, out, os);
+INLINE void dots_as(const void *w, const int BF, const float *x, int64_t xs, int nv, int n, float *out,
+                    int64_t os) {
+    for (; nv >= 4; nv -= 4, x += 4 * xs, out += 4 * os) dotv(w, BF, x, xs, 4, n, out, os);
     switch (nv) {
-    case 3: dotv(w, x, xs, 3, n, out, os); break;
-    case 2: dotv(w, x, xs, 2, n, out, os); break;
-    case 1: dotv(w, x, xs, 1, n, out, os); break;
+    case 3: dotv(w, BF, x, xs, 3, n, out, os); break;
+    case 2: dotv(w, BF, x, xs, 2, n, out, os); break;
+    case 1: dotv(w, BF, x, xs, 1, n, out, os); break;
     default: break;
     }
 }
 
+/* dots_as over an fp32 or a bf16 row, each instantiated once. */
+static void dots(const float *w, const float *x, int64_t xs, int nv, int n, float *out, int64_t os) {
+    dots_as(w, 0, x, xs, nv, n, out, os);
+}
+
+static void dots_bf16(const void *w, const float *x, int64_t xs, int nv, int n, float *out, int64_t os) {
+    dots_as(w, 1, x, xs, nv, n, out, os);
+}
+
 static float dot(const float *a, const float *b, int n) {
     float r;
-    dotv(a, b, 0, 1, n, &r, 0);
+    dotv(a, 0, b, 0, 1, n, &r, 0);
     return r;
 }
 
@@ -247,19 +295,34 @@ static void parallel(RangeFn fn, void *ctx, int n, int64_t work) {
 }
 
 /* ---- products ---------------------------------------------------------------------------------- */
-typedef struct { const float *w, *x; float *y; int cols, N; int64_t xs, ys; } Product;
+typedef struct { const void *w; const float *x; float *y; int cols, N, bf; int64_t xs, ys; } Product;
 
 static void product_rows(void *c, int r0, int r1) {
     const Product *a = c;
-    for (int r = r0; r < r1; r++) dots(a->w + (int64_t)r * a->cols, a->x, a->xs, a->N, a->cols, a->y + r, a->ys);
+    for (int r = r0; r < r1; r++) {
+        const void *row = weight_ptr(a->w, (int64_t)r * a->cols, a->bf);
+        if (a->bf) dots_bf16(row, a->x, a->xs, a->N, a->cols, a->y + r, a->ys);
+        else dots(row, a->x, a->xs, a->N, a->cols, a->y + r, a->ys);
+    }
 }
 
-/* y[n * ys + r] = W[r] . x[n * xs] for rows r < rows of W [rows, cols] and n < N: each weight row
- * is read from memory once for all N inputs. */
-static void matmul(const float *w, const float *x, int64_t xs, float *y, int64_t ys, int rows, int cols, int N) {
-    Product a = {w, x, y, cols, N, xs, ys};
+/* y[n * ys + r] = W[r] . x[n * xs] for rows r < rows of the model's weight matrix W [rows, cols]
+ * and n < N: each weight row is read from memory once for all N inputs. */
+static void matmul(const Model *m, const void *w, const float *x, int64_t xs, float *y, int64_t ys, int rows, int cols,
+                   int N) {
+    Product a = {w, x, y, cols, N, m->wbf16, xs, ys};
     int64_t floats = (int64_t)rows * cols;
     parallel(product_rows, &a, rows, floats >= SPLIT_MIN_WORK || floats * N >= 4 * SPLIT_MIN_WORK ? floats : 0);
+}
+
+/* out [n] = row i of the model's weight matrix w ([.., n]: an embedding), as fp32. */
+static void weight_row(const Model *m, const void *w, int64_t i, int n, float *out) {
+    const void *row = weight_ptr(w, i * n, m->wbf16);
+    if (!m->wbf16) {
+        memcpy(out, row, (size_t)n * sizeof(float));
+        return;
+    }
+    for (int j = 0; j < n; j++) out[j] = weight_at(row, j, 1);
 }
 
 static void rms_norm(const float *x, const float *w, float *out, int n, float eps) {
@@ -499,9 +562,9 @@ static void block(const Model *m, int l, float *hidden, const Batch *bt, int32_t
 
     /* attention */
     for (int n = 0; n < N; n++) rms_norm(hidden + (int64_t)n * D, m->ln1[l], h + (int64_t)n * D, D, m->eps);
-    matmul(m->wq[l], h, D, q, Q, Q, D, N);
-    matmul(m->wk[l], h, D, k, KVD, KVD, D, N);
-    matmul(m->wv[l], h, D, v, KVD, KVD, D, N);
+    matmul(m, m->wq[l], h, D, q, Q, Q, D, N);
+    matmul(m, m->wk[l], h, D, k, KVD, KVD, D, N);
+    matmul(m, m->wv[l], h, D, v, KVD, KVD, D, N);
     for (int n = 0; n < N; n++) {
         const int b = n / T, pos = bt->pos0[b] + n % T;
         const float *cs = rope_tab + (int64_t)n * hd, *sn = cs + half;
@@ -524,7 +587,7 @@ static void block(const Model *m, int l, float *hidden, const Batch *bt, int32_t
     int64_t ctx = 0;
     for (int b = 0; b < B; b++) ctx += bt->pos0[b] + T;
     parallel(attend_units, &a, B * KV, ctx * KVD * 2);
-    matmul(m->wo[l], att, Q, y, D, D, Q, N);
+    matmul(m, m->wo[l], att, Q, y, D, D, Q, N);
     for (int n = 0; n < N; n++)
         for (int i = 0; i < D; i++) hidden[(int64_t)n * D + i] += y[(int64_t)n * D + i];
 
@@ -533,10 +596,10 @@ static void block(const Model *m, int l, float *hidden, const Batch *bt, int32_t
     float *gu = scratch + s.gu, *act = scratch + s.act;
     if (m->router[l] == NULL) {
         int I = m->dense_inner;
-        matmul(m->gate[l], h, D, gu, 2 * I, I, D, N);
-        matmul(m->up[l], h, D, gu + I, 2 * I, I, D, N);
+        matmul(m, m->gate[l], h, D, gu, 2 * I, I, D, N);
+        matmul(m, m->up[l], h, D, gu + I, 2 * I, I, D, N);
         for (int n = 0; n < N; n++) swiglu(gu + (int64_t)n * 2 * I, gu + (int64_t)n * 2 * I + I, act + (int64_t)n * I, I);
-        matmul(m->down_dense[l], act, I, y, D, D, I, N);
+        matmul(m, m->down_dense[l], act, I, y, D, D, I, N);
         for (int n = 0; n < N; n++)
             for (int i = 0; i < D; i++) hidden[(int64_t)n * D + i] += y[(int64_t)n * D + i];
         return;
@@ -544,7 +607,7 @@ static void block(const Model *m, int l, float *hidden, const Batch *bt, int32_t
     const int I = m->moe_inner;
     float *probs = scratch + s.probs, *xg = scratch + s.xg, *weight = scratch + s.route + (int64_t)N * K;
     int32_t *chosen = (int32_t *)(scratch + s.route), *slots = (int32_t *)(scratch + s.route + 2 * (int64_t)N * K);
-    matmul(m->router[l], h, D, probs, E, E, D, N);
+    matmul(m, m->router[l], h, D, probs, E, E, D, N);
     for (int n = 0; n < N; n++) {
         float *p = probs + (int64_t)n * E, mx = -INFINITY, sum = 0.f;
         for (int e = 0; e < E; e++) if (p[e] > mx) mx = p[e];
@@ -571,9 +634,9 @@ static void block(const Model *m, int l, float *hidden, const Batch *bt, int32_t
                 slots[cnt++] = nj;
             }
         if (cnt == 0) continue;
-        matmul(m->gate_up[l] + (int64_t)e * 2 * I * D, xg, D, gu, 2 * I, 2 * I, D, cnt);
+        matmul(m, weight_ptr(m->gate_up[l], (int64_t)e * 2 * I * D, m->wbf16), xg, D, gu, 2 * I, 2 * I, D, cnt);
         for (int c = 0; c < cnt; c++) swiglu(gu + (int64_t)c * 2 * I, gu + (int64_t)c * 2 * I + I, act + (int64_t)c * I, I);
-        matmul(m->down[l] + (int64_t)e * D * I, act, I, xg, D, D, I, cnt);  /* xg is free again */
+        matmul(m, weight_ptr(m->down[l], (int64_t)e * D * I, m->wbf16), act, I, xg, D, D, I, cnt);  /* xg is free */
         for (int c = 0; c < cnt; c++) memcpy(y + (int64_t)slots[c] * D, xg + (int64_t)c * D, D * sizeof(float));
     }
     for (int n = 0; n < N; n++) {
@@ -610,7 +673,7 @@ void kiln_trunk(const Model *m, int B, int T, const int64_t *ids, const int32_t 
     const int D = m->dim, K = m->top_k, N = B * T;
     int n_moe = 0;
     for (int l = 0; l < m->n_layers; l++) n_moe += m->router[l] != NULL;
-    for (int n = 0; n < N; n++) memcpy(hidden + (int64_t)n * D, m->embed + ids[n] * D, D * sizeof(float));
+    for (int n = 0; n < N; n++) weight_row(m, m->embed, ids[n], D, hidden + (int64_t)n * D);
     Batch bt = {B, T, max_len, pos0, k_cache, v_cache, slot_stride};
     rope_tables(m, &bt, scratch + layout(m, B, T).rope);
     for (int l = 0, moe_i = 0; l < m->n_layers; l++) {
@@ -632,9 +695,11 @@ void kiln_mtp_layer(const Model *m, int l, int B, int T, const float *h_in, cons
     float *cat = scratch + s.cat;
     for (int n = 0; n < N; n++) {
         rms_norm(h_in + (int64_t)n * D, m->hnorm[l], cat + (int64_t)n * 2 * D, D, m->eps);
-        rms_norm(m->embed + ids[n] * D, m->enorm[l], cat + (int64_t)n * 2 * D + D, D, m->eps);
+        float *e = cat + (int64_t)n * 2 * D + D;
+        weight_row(m, m->embed, ids[n], D, e);
+        rms_norm(e, m->enorm[l], e, D, m->eps);  /* elementwise after the sum: in place is safe */
     }
-    matmul(m->eh_proj[l], cat, 2 * D, out, D, D, 2 * D, N);
+    matmul(m, m->eh_proj[l], cat, 2 * D, out, D, D, 2 * D, N);
     Batch bt = {B, T, max_len, pos0, k_cache + l * layer_stride, v_cache + l * layer_stride, slot_stride};
     rope_tables(m, &bt, scratch + s.rope);
     block(m, l, out, &bt, NULL, 0, scratch);
@@ -643,5 +708,5 @@ void kiln_mtp_layer(const Model *m, int l, int B, int T, const float *h_in, cons
 /* logits [N, V] = head(norm(hidden [N, D])), norm the final norm's weight (or an MTP layer's). */
 void kiln_head(const Model *m, const float *norm, const float *hidden, int N, int vocab, float *logits, float *scratch) {
     for (int n = 0; n < N; n++) rms_norm(hidden + (int64_t)n * m->dim, norm, scratch + (int64_t)n * m->dim, m->dim, m->eps);
-    matmul(m->head, scratch, m->dim, logits, vocab, vocab, m->dim, N);
+    matmul(m, m->head, scratch, m->dim, logits, vocab, vocab, m->dim, N);
 }

@@ -1,4 +1,5 @@
-"""The native decoding step (native.c): a batch of sequences, a few tokens each, fp32 on the CPU.
+"""The native decoding step (native.c): a batch of sequences, a few tokens each, on the CPU: fp32
+activations, weight matrices in fp32 or (a bf16 sampler) bf16.
 
 Built once per machine with the system C compiler into `~/.cache/kiln/native/` (keyed by the
 source, the compiler and the CPU, since it is compiled for this CPU's vector units) and loaded
@@ -36,12 +37,17 @@ _P = ctypes.POINTER(ctypes.c_float)
 _PP = ctypes.POINTER(_P)
 
 
+# The weight matrices' dtypes the C code reads (norm weights and RoPE frequencies are always fp32).
+DTYPES = (torch.float32, torch.bfloat16)
+
+
 class _Model(ctypes.Structure):
     _fields_ = ([(n, ctypes.c_int) for n in ("n_layers", "dim", "n_heads", "n_kv_heads", "head_dim", "n_experts",
-                                             "top_k", "moe_inner", "dense_inner", "norm_topk", "max_tokens")]
+                                             "top_k", "moe_inner", "dense_inner", "norm_topk", "max_tokens",
+                                             "wbf16")]
                 + [("eps", ctypes.c_float)]
                 + [(n, _P) for n in ("embed", "head", "inv_freq")]
-                + [(n, _PP) for n in ("ln1", "wq", "wk", "wv", "q_norm", "k_norm", "wo", "ln2", "router", "gate_up",
+                + [(n, _PP) for n in ("ln1", "q_norm", "k_norm", "ln2", "wq", "wk", "wv", "wo", "router", "gate_up",
                                       "down", "gate", "up", "down_dense", "hnorm", "enorm", "eh_proj")])
 
 
@@ -52,25 +58,27 @@ def library() -> ctypes.CDLL | None:
     """The compiled step, building it on first use; None (with one warning) where it cannot be built."""
     global _lib
     if _lib is False:
-        _lib = None if os.environ.get("KILN_NATIVE", "1") == "0" else _load()
+        _lib = None if os.environ.get("KILN_NATIVE", "1") == "0" else build()
     return _lib
 
 
-def _load() -> ctypes.CDLL | None:
+def build(flags: list[str] = FLAGS) -> ctypes.CDLL | None:
+    """The step compiled with `flags` (cached by source, flags, compiler and CPU); None, with one
+    warning, where it cannot be built. Tests build other flags (e.g. without AVX-512) next to the default."""
     cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if cc is None:
         warnings.warn("kiln: no C compiler (cc/gcc) found; decoding uses the slower torch path", stacklevel=3)
         return None
     try:
         version = subprocess.run([cc, "--version"], check=False, capture_output=True, text=True, timeout=30).stdout
-        key = hashlib.sha256(SOURCE.read_bytes() + " ".join(FLAGS + [version, _cpu_id()]).encode()).hexdigest()[:16]
+        key = hashlib.sha256(SOURCE.read_bytes() + " ".join(flags + [version, _cpu_id()]).encode()).hexdigest()[:16]
         cache = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "kiln" / "native"
         so = cache / f"decode-{key}.so"
         if not so.exists():
             cache.mkdir(parents=True, exist_ok=True)
             with tempfile.TemporaryDirectory(dir=cache) as tmp:  # concurrent builders never see half a file
                 out = Path(tmp) / so.name
-                subprocess.run([cc, *FLAGS, "-o", str(out), str(SOURCE), "-lm"], check=True,
+                subprocess.run([cc, *flags, "-o", str(out), str(SOURCE), "-lm"], check=True,
                                capture_output=True, text=True, timeout=120)
                 os.replace(out, so)
         lib = ctypes.CDLL(str(so))
@@ -120,14 +128,15 @@ def _ptr(t: torch.Tensor | None):
     return ctypes.cast(t.data_ptr(), _P) if t is not None else None
 
 
-def _struct(model, layers, max_len: int, keep: list, mtp_layers=None) -> _Model:
+def _struct(model, layers, max_len: int, keep: list, weight, mtp_layers=None) -> _Model:
     """The C view of decoder `layers` (the trunk's, or the MTP blocks with `mtp_layers` giving
-    their input norms and projection) over the model's embedding and output head."""
+    their input norms and projection) over the model's embedding and output head; `weight(t)` is
+    the tensor the C code reads for weight matrix t (t itself, or its bf16 copy)."""
     cfg = model.config
     moe = [isinstance(layer.mlp, MoeBlock) for layer in layers]
 
-    def per_layer(get, over=layers):
-        arr = (_P * len(over))(*[_ptr(get(layer)) for layer in over])
+    def per_layer(get, over=layers, matrix=True):
+        arr = (_P * len(over))(*[_ptr(weight(t) if matrix and t is not None else t) for t in map(get, over)])
         keep.append(arr)
         return arr
 
@@ -145,40 +154,59 @@ def _struct(model, layers, max_len: int, keep: list, mtp_layers=None) -> _Model:
         n_kv_heads=cfg.num_key_value_heads, head_dim=cfg.head_dim, n_experts=max(cfg.num_experts, 1),
         top_k=cfg.num_experts_per_tok, moe_inner=cfg.moe_intermediate_size if any(moe) else 0,
         dense_inner=cfg.intermediate_size if not all(moe) else 0, norm_topk=int(cfg.norm_topk_prob),
-        max_tokens=max_len, eps=cfg.rms_norm_eps,
-        embed=_ptr(model.model.embed_tokens.weight), head=_ptr(model.lm_head.weight), inv_freq=_ptr(inv_freq),
-        ln1=per_layer(lambda la: la.input_layernorm.weight), wq=per_layer(lambda la: la.self_attn.q_proj.weight),
+        max_tokens=max_len, wbf16=int(weight(model.lm_head.weight).dtype == torch.bfloat16), eps=cfg.rms_norm_eps,
+        embed=_ptr(weight(model.model.embed_tokens.weight)), head=_ptr(weight(model.lm_head.weight)),
+        inv_freq=_ptr(inv_freq),
+        ln1=per_layer(lambda la: la.input_layernorm.weight, matrix=False),
+        wq=per_layer(lambda la: la.self_attn.q_proj.weight),
         wk=per_layer(lambda la: la.self_attn.k_proj.weight), wv=per_layer(lambda la: la.self_attn.v_proj.weight),
-        q_norm=per_layer(lambda la: la.self_attn.q_norm.weight if la.self_attn.qk_norm else None),
-        k_norm=per_layer(lambda la: la.self_attn.k_norm.weight if la.self_attn.qk_norm else None),
+        q_norm=per_layer(lambda la: la.self_attn.q_norm.weight if la.self_attn.qk_norm else None, matrix=False),
+        k_norm=per_layer(lambda la: la.self_attn.k_norm.weight if la.self_attn.qk_norm else None, matrix=False),
         wo=per_layer(lambda la: la.self_attn.o_proj.weight),
-        ln2=per_layer(lambda la: la.post_attention_layernorm.weight),
+        ln2=per_layer(lambda la: la.post_attention_layernorm.weight, matrix=False),
         router=per_layer(lambda la: la.mlp.gate.weight if isinstance(la.mlp, MoeBlock) else None),
         gate_up=per_layer(lambda la: expert(la, "gate_up_proj")), down=per_layer(lambda la: expert(la, "down_proj")),
         gate=per_layer(lambda la: dense(la, "gate_proj")), up=per_layer(lambda la: dense(la, "up_proj")),
         down_dense=per_layer(lambda la: dense(la, "down_proj")),
-        hnorm=per_layer(lambda ml: ml and ml.hnorm.weight, mtp), enorm=per_layer(lambda ml: ml and ml.enorm.weight, mtp),
+        hnorm=per_layer(lambda ml: ml and ml.hnorm.weight, mtp, False),
+        enorm=per_layer(lambda ml: ml and ml.enorm.weight, mtp, False),
         eh_proj=per_layer(lambda ml: ml and ml.eh_proj.weight, mtp))
 
 
 class NativeTrunk:
     """`FastTrunk`'s interface over native.c for a batch of sequences in consecutive cache slots:
     (hidden, routes) = trunk(ids, positions, cache, slot); `head(hidden)` for the logits; with an
-    MTP module, `mtp_layer` runs one of its layers (the drafter)."""
+    MTP module, `mtp_layer` runs one of its layers (the drafter).
 
-    def __init__(self, model, lib: ctypes.CDLL, max_len: int, mtp=None):
-        self.model, self.mtp, self.lib, self.max_len = model, mtp, lib, max_len
+    `dtype` bfloat16: the weight matrices are read from bf16 copies of the model's parameters,
+    made by `refresh` (`held`, by parameter); everything else stays fp32."""
+
+    def __init__(self, model, lib: ctypes.CDLL, max_len: int, mtp=None, dtype: torch.dtype = torch.float32):
+        if dtype not in DTYPES:
+            raise ValueError(f"the native step reads float32 or bfloat16 weights, not {dtype}")
+        self.model, self.mtp, self.lib, self.max_len, self.dtype = model, mtp, lib, max_len, dtype
         self._scratch = torch.empty(0)
         self.refresh()
 
     def refresh(self) -> None:
-        """Point the C structs at the model's (and MTP's) current parameter memory."""
+        """Point the C structs at the model's (and MTP's) current parameter memory (bf16: at fresh
+        copies of it)."""
         self._keep: list = []  # what the structs point into must live as long as they do
+        self.held: dict[int, torch.Tensor] = {}  # bf16: parameter data_ptr -> its copy (tied ones share it)
         layers = self.model.model.layers
-        self.struct = _struct(self.model, layers, self.max_len, self._keep)
+        self.struct = _struct(self.model, layers, self.max_len, self._keep, self._weight)
         self.n_moe = sum(isinstance(layer.mlp, MoeBlock) for layer in layers)
         self.mtp_struct = None if self.mtp is None else _struct(
-            self.model, [ml.block for ml in self.mtp.layers], self.max_len, self._keep, list(self.mtp.layers))
+            self.model, [ml.block for ml in self.mtp.layers], self.max_len, self._keep, self._weight,
+            list(self.mtp.layers))
+
+    def _weight(self, t: torch.Tensor) -> torch.Tensor:
+        if self.dtype == torch.float32:
+            return t
+        key = t.data_ptr()
+        if key not in self.held:
+            self.held[key] = t.detach().to(self.dtype)
+        return self.held[key]
 
     def scratch(self, b: int, t: int) -> int:
         """The address of scratch memory for a call over b sequences of t tokens (grown as needed)."""

@@ -37,9 +37,10 @@ class Trainer:
 
         from .placement import pin_checked
         from .store import WeightStore
-        from .trainer import RLTrainer
+        from .trainer import RLTrainer, sampler_weights
 
         self.rl, self.run, self.where = cfg.rl, Path(rl_dir), cluster.here()
+        self.dtype = cfg.engine.dtype  # what the workers sample with, so what is published
         pin_checked("trainer_cpus", self.rl.trainer_cpus)
         self.ckpt = start["checkpoint"].local()
         model, _ = load_checkpoint(self.ckpt, with_mtp=False)
@@ -55,7 +56,7 @@ class Trainer:
         self.store = WeightStore(start["store"], anchor_every=self.rl.anchor_every)
         latest = self.store.latest()
         if latest is None or latest < version:
-            self.store.publish(version, model.state_dict())
+            self.store.publish(version, sampler_weights(model, self.dtype))
         if self.last is not None:  # its state was saved before the publish that sized the delta
             pub = self.store.size(version)
             self.last.update(delta_fraction=pub["delta_fraction"], delta_bytes=pub["bytes_written"])
@@ -70,6 +71,8 @@ class Trainer:
         row and this process's pid (the driver notices a restart between calls by it)."""
         from kiln.pretrain.checkpointing import save_state
 
+        from .trainer import sampler_weights
+
         m = self.trainer.step(groups)
         self.trained += [g.id for g in groups]
         lags = [self.trainer.version - 1 - g.started_version for g in groups]
@@ -79,7 +82,7 @@ class Trainer:
         save_state(self.run, self.model, None, Path(self.ckpt),
                    {"opt": self.trainer.opt.state_dict(), "version": self.trainer.version, "trained": self.trained,
                     "metrics": row})
-        pub = self.store.publish(self.trainer.version, {k: v.detach() for k, v in self.model.state_dict().items()})
+        pub = self.store.publish(self.trainer.version, sampler_weights(self.model, self.dtype))
         row.update(delta_fraction=pub["delta_fraction"], delta_bytes=pub["bytes_written"])
         self.store.gc()  # what no worker holds and no rebuild needs
         self.last = row

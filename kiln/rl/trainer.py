@@ -113,11 +113,19 @@ class RLTrainer:
         self.opt.step()
         self.version += 1
         return {"version": self.version, "loss": loss_sum, "grad_norm": grad_norm, "replaced_experts": replaced,
-                **_mismatch(trainer_lp, batch, measured), **_reward_metrics(groups, reward, kl),
+                **mismatch(trainer_lp, batch, measured), **_reward_metrics(groups, reward, kl),
                 **_tokens(trajs), "lag": _lag(batch, self.version - 1),
                 "groups_mixed": len(groups) - len(set(gid[uniform].tolist())), "train_tokens": int(n_tokens),
                 "trained_rows": int(trained.sum()), "step_s": time.monotonic() - t0,
                 "tokens_per_s": n_tokens / max(time.monotonic() - t0, 1e-9)}
+
+
+def sampler_weights(model, dtype: str) -> dict[str, torch.Tensor]:
+    """What the trainer publishes: the model's weights as the samplers (engine.dtype) hold them, i.e.
+    the fp32 master itself or each tensor rounded to bf16 (a step's bf16 delta is sparse: at RL's lr
+    most bf16 values do not change)."""
+    to = getattr(torch, dtype)
+    return {k: v.detach().to(to) if v.is_floating_point() else v.detach() for k, v in model.state_dict().items()}
 
 
 def _chunks(rows):
@@ -137,7 +145,7 @@ def _chunk_loss(lp, adv, batch: Batch, rows, rl, n_rows: int, n_tokens: float) -
     return policy_loss(lp, adv, mask, "seq_mean", **tis) * (mask.shape[0] / n_rows)
 
 
-def _mismatch(trainer_lp: torch.Tensor, batch: Batch, trained: torch.Tensor) -> dict:
+def mismatch(trainer_lp: torch.Tensor, batch: Batch, trained: torch.Tensor) -> dict:
     """Train/inference mismatch on the sampled tokens of the trained rows: KL(sampler || trainer) by
     k1 and k3, the largest logprob gap, and statistics of the ratio pi_trainer / pi_sampler."""
     keep = batch.mask.bool() & trained[:, None]

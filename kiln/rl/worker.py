@@ -37,6 +37,8 @@ MAX_GROUPS = 8
 @ray.remote(concurrency_groups={"control": 2, "rollouts": MAX_GROUPS})
 class RolloutWorker:
     def __init__(self, cfg, start: dict, worker_id: int):
+        import torch
+
         from kiln.engine import Engine
         from kiln.engine.runner import EngineRunner
         from kiln.model.checkpoint import load_checkpoint
@@ -68,7 +70,8 @@ class RolloutWorker:
         # rl.worker_groups groups at once share the engine's batches. Prefix reuse: one kept conversation
         # per rollout, as many again for the prompts that every task's rollouts start with.
         rows = rl.group_size * rl.worker_groups
-        self.engine = Engine(model, tok, max_batch=rows, max_len=max_len, version=got[0], prefix_slots=2 * rows)
+        self.engine = Engine(model, tok, max_batch=rows, max_len=max_len, version=got[0], prefix_slots=2 * rows,
+                             weight_dtype=getattr(torch, cfg.engine.dtype))  # the store's weights are in it
         self.runner = EngineRunner(self.engine)
         self.runner.start()
         self.stop = threading.Event()

@@ -46,15 +46,19 @@ def _trained(rl_dir):
     return [g for g in state["groups"].values() if g["status"] == "trained"]
 
 
-def test_rl_runs_trains_publishes_and_never_repeats_a_prompt(tmp_path, tiny_checkpoint, ray_cluster, rl_dirs):
+@pytest.mark.parametrize("dtype", ["float32", pytest.param("bfloat16", marks=pytest.mark.slow)])
+def test_rl_runs_trains_publishes_and_never_repeats_a_prompt(tmp_path, tiny_checkpoint, ray_cluster, rl_dirs, dtype):
     rl_dir = rl_dirs(tmp_path)
     cpus = sorted(os.sched_getaffinity(0))  # the trainer and the workers pinned apart (rl/placement.py)
-    s = run_rl(_cfg(tmp_path, trainer_cpus=cpus[:1], worker_cpus=cpus[-1:]), str(tiny_checkpoint), str(rl_dir),
-               progress=False)
+    s = run_rl(_cfg(tmp_path, f"engine.dtype={dtype}", trainer_cpus=cpus[:1], worker_cpus=cpus[-1:]),
+               str(tiny_checkpoint), str(rl_dir), progress=False)
     rows = s["metrics"]
     assert [r["step"] for r in rows] == [1, 2]
     assert all(max(r["group_lag"]) <= 1 for r in rows)  # admission bounds staleness
-    assert WeightStore(str(rl_dir / "weights")).versions()[-1] == 2
+    store = WeightStore(str(rl_dir / "weights"))
+    assert store.versions()[-1] == 2
+    # what the workers sample with is what is published: the fp32 master, or its bf16 rounding
+    assert {t["dtype"] for t in store.manifest(2)["tensors"].values()} == {dtype}
     trained = _trained(rl_dir)
     assert len(trained) == 2 and len({g["task_id"] for g in trained}) == 2
     with open(trained[0]["path"]) as f:  # the driver keeps each group the workers sent back

@@ -188,3 +188,34 @@ def test_train_embeddings_false_keeps_the_embedding_and_head_and_still_learns(se
     assert any("layers" in n for n in moved)  # every other weight still trains
     assert all(id(p) not in vocab for g in trainer.opt.param_groups for p in g["params"]) is not train_embeddings
     assert ((lp1 - lp0) * batch.mask[:2]).sum(1)[0] > 0  # the solved rollout became likelier either way
+
+
+def test_a_bf16_sampler_holds_the_published_bf16_weights_bit_for_bit_and_their_deltas_are_sparse(setup, tmp_path):
+    """engine.dtype = bfloat16: the trainer keeps its fp32 master and publishes it rounded to bf16; a
+    worker's engine rebuilds each version from the deltas and samples with exactly those bits."""
+    from kiln.rl.store import WeightStore, WeightSubscriber
+    from kiln.rl.trainer import sampler_weights
+
+    ckpt, trajs = setup
+    model, _ = load_checkpoint(ckpt, with_mtp=False)
+    trainer = RLTrainer(model, Config().rl.model_copy(update={"temperature": 1.0}), version=0)  # RL's lr, 1e-5
+    store = WeightStore(str(tmp_path / "weights"))
+    store.publish(0, sampler_weights(model, "bfloat16"))
+    sub = WeightSubscriber(store, "worker")
+    sampler, _ = load_checkpoint(ckpt, with_mtp=False)
+    sampler.load_state_dict(sub.poll()[1])  # as a worker starts
+    engine = Engine(sampler, max_batch=1, max_len=64, weight_dtype=torch.bfloat16)
+    rewards = [{"correctness": 1.0}, {"correctness": 0.0}, {"correctness": 0.0}, {"correctness": 1.0}]
+    for _ in range(2):
+        trainer.step([Group(0, "a", "k", trajs[:2], rewards[:2]), Group(1, "b", "k", trajs[2:], rewards[2:])])
+        assert next(model.parameters()).dtype == torch.float32  # the master
+        pub = store.publish(trainer.version, sampler_weights(model, "bfloat16"))
+        assert pub["kind"] == "delta" and pub["delta_fraction"] <= 0.10
+        version, state = sub.poll()
+        engine.update_weights(state, version)
+        engine.generate([[1, 2, 3]], SamplingParams(max_tokens=1))  # applied between steps
+        held, stored = engine.sampler_weights(), store.load(version)
+        assert held.keys() == stored.keys()
+        for k, v in stored.items():
+            assert v.dtype == held[k].dtype == torch.bfloat16
+            assert torch.equal(held[k].view(torch.int16), v.view(torch.int16)), k

@@ -1,0 +1,146 @@
+"""The bf16 sampler (Engine(weight_dtype=torch.bfloat16), engine.dtype): native.c reads bf16 weight
+matrices and widens them in registers, activations and sums stay fp32. Widening is exact, so a bf16
+step is the fp32 step on the rounded weights bit for bit; against torch's own bf16 model (which also
+rounds every activation) it is as close as that model is to exact arithmetic."""
+from __future__ import annotations
+
+import copy
+import os
+import shutil
+
+import pytest
+import torch
+
+from kiln.engine import Engine, SamplingParams
+from kiln.engine.fast import FastTrunk
+from kiln.engine.kvcache import KVCache
+from kiln.engine.native import FLAGS, NativeTrunk, build, library
+from kiln.model.config import ModelConfig
+from kiln.model.moe import MoeForCausalLM
+from kiln.model.mtp import MTP
+from tests.threads import one_thread  # noqa: F401 - autouse: one torch thread in this module
+from tests.tiny_model import tiny_model
+
+HAVE_CC = bool(os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc"))
+pytestmark = pytest.mark.skipif(not HAVE_CC, reason="no C compiler: the engine falls back to torch")
+
+
+def rounded(model: torch.nn.Module) -> torch.nn.Module:
+    """The model with every parameter rounded to bf16 (kept in fp32), in place."""
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(p.bfloat16())
+    return model
+
+
+def odd_model(seed: int = 0):
+    """Widths that are not multiples of 64 or 16, so every load path (64-float strides, 16-float
+    steps, the scalar tail) reads bf16; layer 0 dense, layer 1 MoE; an MTP layer."""
+    torch.manual_seed(seed)
+    cfg = ModelConfig.from_depth(2, vocab_size=300, hidden_size=88, num_attention_heads=4, num_key_value_heads=2,
+                                 head_dim=16, moe_intermediate_size=70, intermediate_size=90, mlp_only_layers=[0],
+                                 max_position_embeddings=256)
+    model, mtp = MoeForCausalLM(cfg).eval(), MTP(cfg, depth=1).eval()
+    with torch.no_grad():
+        for p in list(model.parameters()) + list(mtp.parameters()):
+            p.mul_(4.0 if p.ndim > 1 else 1.0)
+    return rounded(model), rounded(mtp)
+
+
+def run(native: NativeTrunk, ids: torch.Tensor, mtp: bool = False):
+    """Chunks of 5 tokens of every row through the trunk (then the MTP layer), head included."""
+    cfg = native.model.config
+    cache = KVCache(cfg.num_hidden_layers, ids.shape[0], 64, cfg.num_key_value_heads, cfg.head_dim, torch.float32)
+    mcache = KVCache(1, ids.shape[0], 64, cfg.num_key_value_heads, cfg.head_dim, torch.float32)
+    out = []
+    for s in range(0, ids.shape[1] - 1, 5):
+        chunk, pos = ids[:, s:s + 5], torch.arange(s, s + 5).expand(ids.shape[0], 5)
+        hidden, routes = native(chunk, pos, cache, 0)
+        out += [hidden, routes, native.head(hidden)]
+        if mtp:
+            out.append(native.mtp_layer(0, hidden, ids[:, s + 1:s + 6], pos, mcache, 0))
+    return out + [cache.k, cache.v, mcache.k]
+
+
+@torch.inference_mode()
+def test_a_bf16_step_is_the_fp32_step_on_the_rounded_weights_bit_for_bit():
+    model, mtp = odd_model()
+    ids = torch.randint(0, 300, (3, 21), generator=torch.Generator().manual_seed(0))
+    bf16 = NativeTrunk(model, library(), 64, mtp, dtype=torch.bfloat16)
+    assert bf16.struct.wbf16 == 1 and {t.dtype for t in bf16.held.values()} == {torch.bfloat16}
+    # the embedding and the tied head are one tensor, so one copy
+    assert len(bf16.held) == sum(p.ndim > 1 for p in list(model.parameters()) + list(mtp.parameters()))
+    got, want = run(bf16, ids, mtp=True), run(NativeTrunk(model, library(), 64, mtp), ids, mtp=True)
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+
+
+@torch.inference_mode()
+def test_bf16_native_matches_torch_on_the_same_weights():
+    model = rounded(tiny_model(1)[0])
+    ids = torch.randint(0, 512, (1, 12), generator=torch.Generator().manual_seed(1))
+    native = NativeTrunk(model, library(), 64, dtype=torch.bfloat16)
+    cfg = model.config
+    cache = KVCache(cfg.num_hidden_layers, 1, 64, cfg.num_key_value_heads, cfg.head_dim, torch.float32)
+    hidden = torch.cat([native(ids[:, s:s + 4], torch.arange(s, s + 4)[None], cache, 0)[0] for s in (0, 4, 8)], 1)
+    logits = native.head(hidden)
+    # torch on the bf16 weights in fp32 (the engine's prefill path): the fp32 parity tolerance
+    ref = KVCache(cfg.num_hidden_layers, 1, 64, cfg.num_key_value_heads, cfg.head_dim, torch.float32)
+    ref.begin(0, torch.arange(12)[None])
+    want, _ = FastTrunk(model)(ids, torch.arange(12)[None], ref)
+    torch.testing.assert_close(hidden, want, atol=2e-5, rtol=1e-5)
+    # torch's bf16 model also rounds every activation to bf16, and so differs from exact arithmetic on
+    # the same weights (fp64) by far more than the native step, which keeps them fp32: each logit is
+    # within torch bf16's own error of it (plus the fp32 step's 1e-4).
+    exact = copy.deepcopy(model).double()
+    exact = exact.head(exact.trunk(ids).hidden).float()
+    bf = copy.deepcopy(model).to(torch.bfloat16)
+    torch_bf16 = bf.head(bf.trunk(ids).hidden).float()
+    assert (logits - exact).abs().max() < 1e-4 < (torch_bf16 - exact).abs().max()
+    assert ((logits - torch_bf16).abs() <= (torch_bf16 - exact).abs() + 1e-4).all()
+
+
+@torch.inference_mode()
+def test_a_bf16_engine_samples_as_fp32_on_rounded_weights_and_rounds_its_updates():
+    model = tiny_model(2)[0]
+    ref = rounded(copy.deepcopy(model))
+    engine = Engine(model, max_batch=2, weight_dtype=torch.bfloat16)
+    assert engine.native is not None and engine.dtype == torch.float32  # fp32 activations and KV cache
+    prompts = [list(range(3, 40)), [7, 8, 9]]  # 37 tokens: prefilled through torch, then native steps
+    params = SamplingParams(temperature=1.0, max_tokens=12, seed=3, stop_token_ids=())
+    a, b = engine.generate(prompts, params), Engine(ref, max_batch=2).generate(prompts, params)
+    for x, y in zip(a, b):
+        assert x.token_ids == y.token_ids and x.logprobs == y.logprobs and x.routes == y.routes
+    held = engine.sampler_weights()
+    assert all(v.dtype == torch.bfloat16 and torch.equal(v.float(), ref.state_dict()[k]) for k, v in held.items())
+    assert held["lm_head.weight"].data_ptr() in {t.data_ptr() for t in engine.native.held.values()}
+
+    new = {k: v * 1.01 for k, v in model.state_dict().items()}  # an fp32 update is rounded too
+    engine.update_weights(new, version=1)
+    engine.generate([[5, 6]], SamplingParams(max_tokens=1))
+    assert all(torch.equal(v, new[k].bfloat16()) for k, v in engine.sampler_weights().items())
+
+
+def test_a_bf16_sampler_needs_an_fp32_model():
+    model = tiny_model(0)[0].to(torch.bfloat16)
+    with pytest.raises(ValueError, match="fp32 model"):
+        Engine(model, weight_dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="float32 or torch.bfloat16"):
+        Engine(tiny_model(0)[0], weight_dtype=torch.float16)
+
+
+@pytest.mark.slow  # compiles a second library (~15 s on the loaded 2-core machine)
+@torch.inference_mode()
+def test_the_build_without_avx512_reads_bf16_the_same_way():
+    # Where the CPU has no AVX-512 the same vector code compiles to narrower registers (and, without
+    # FMA, separate multiplies and adds): the bf16 step agrees with this machine's build to fp32 rounding.
+    portable = build(FLAGS + ["-mno-avx512f"])
+    assert portable is not None
+    model, mtp = odd_model(1)
+    ids = torch.randint(0, 300, (2, 16), generator=torch.Generator().manual_seed(2))
+    got = run(NativeTrunk(model, portable, 64, mtp, dtype=torch.bfloat16), ids, mtp=True)
+    want = run(NativeTrunk(model, library(), 64, mtp, dtype=torch.bfloat16), ids, mtp=True)
+    for a, b in zip(got, want):
+        if a.is_floating_point():
+            torch.testing.assert_close(a, b, atol=2e-5, rtol=1e-5)
+        else:
+            assert torch.equal(a, b)
