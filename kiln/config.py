@@ -212,7 +212,7 @@ class PretrainConfig(Section):
         # One level-1 toy rollout per row (~2,100 tokens, at most ~2,600): ~1.7 s a step on 2 cores,
         # two thirds of an epoch over the oracle's 1,200 rollouts. Many small steps at 2e-3 beat 60 steps of 4 rows
         # at 1e-3 (the tiny run's tool calls parsed 92% of the time against 28%, held-out oracle loss 0.47 against 1.09).
-        PhaseConfig(name="sft", kind="sft", steps=400, seq_len=2560, batch_size=2, lr=1e-3, warmup_steps=5),
+        PhaseConfig(name="sft", kind="sft", steps=800, seq_len=2560, batch_size=2, lr=1e-3, warmup_steps=5),
     ]
     schedule: Literal["cosine", "wsd"] = "cosine"
     min_lr_ratio: float = Field(0.1, ge=0, le=1)  # each phase ends at min_lr_ratio x its lr
@@ -249,7 +249,7 @@ class PretrainConfig(Section):
 
 class SftConfig(Section):
     """`kiln sft`'s data; its training settings are pretrain.phases' phases of kind "sft"."""
-    oracle_tasks: int = Field(1200, ge=0)  # toy train-split tasks the oracle solves for SFT data; 0 = none
+    oracle_tasks: int = Field(2400, ge=0)  # toy train-split tasks the oracle solves for SFT data; 0 = none
     oracle_level: int = Field(1, ge=0, le=3)  # their level (toy.py); 0 = levels 1-3 in turn
     oracle_seed: int = Field(0, ge=0)  # the first toy task index (train and eval tasks never overlap)
     # policy.oracle_mistakes while collecting SFT data: recovery to imitate (docs/architecture.md, "Copying")
