@@ -22,8 +22,8 @@ def test_kiln_bench_v1_plan():
     assert sum(by_cat.values()) >= 150
     assert {S.split_of(p) for p in projects} == {"train", "eval"}
     assert plan(KILN_BENCH_V1, ["toolz"], cap=1) == [("toolz", c, 1) for c in ("bugfix", "feature", "refactor", "tests")]
-    assert plan(KILN_BENCH_V1, ["toolz", "parse"], categories=["feature"]) == [("toolz", "feature", 3),
-                                                                              ("parse", "feature", 1)]
+    assert plan(KILN_BENCH_V1, ["toolz", "tabulate"], categories=["feature"]) == [("toolz", "feature", 3),
+                                                                              ("tabulate", "feature", 1)]
     assert all(n > 0 for _, _, n in steps) and ("inflection", "refactor") not in {(p, c) for p, c, _ in steps}
 
 
