@@ -145,6 +145,9 @@ def build_suite_cmd(name: Annotated[str, typer.Argument(help="The suite, e.g. ki
                         "--project", help="Only this project (repeatable): a partial build.")] = None,
                     cap: Annotated[Optional[int], typer.Option("--cap", min=1, help="At most this many tasks per "
                                                                "project and category: a small build.")] = None,
+                    categories: Annotated[Optional[list[str]], typer.Option(
+                        "--category", help="Only this category (repeatable): bugfix, feature, refactor, "
+                        "tests.")] = None,
                     overrides: Overrides = None, config: ConfigOpt = None, dry_run: DryRun = False):
     """Rebuild a frozen suite from the pinned sources: the same task folders, byte for byte, every time.
     Writes DIR/train/, DIR/eval/ (split by project) and DIR/suite.json."""
@@ -152,7 +155,8 @@ def build_suite_cmd(name: Annotated[str, typer.Argument(help="The suite, e.g. ki
     from kiln.tasks.sources import SourceError
     from kiln.tasks.suite import build_suite
     try:
-        build_suite(name, out, cfg.sandbox, workers=workers, projects=projects, cap=cap, log=typer.echo)
+        build_suite(name, out, cfg.sandbox, workers=workers, projects=projects, cap=cap, log=typer.echo,
+                    categories=categories)
     except (SourceError, ValueError) as e:
         fail(str(e))
 

@@ -49,15 +49,50 @@ class Feature:
         return [(u.path, u.name, u.node) for u in self.units] or [(self.path, self.name, self.node)]
 
 
+def _is_test_class(st: ast.stmt) -> bool:
+    """A class pytest collects tests from: `Test*`, or any unittest.TestCase subclass (cachetools'
+    `TTLCacheTest(unittest.TestCase, CacheTestMixin)`)."""
+    return isinstance(st, ast.ClassDef) and (st.name.startswith("Test") or any(
+        isinstance(b, ast.Name) and b.id == "TestCase" or isinstance(b, ast.Attribute) and b.attr == "TestCase"
+        for b in st.bases))
+
+
 def _test_defs(tree: ast.Module):
     """(test id suffix, statement, enclosing class or None) for test functions and methods."""
     for st in tree.body:
         if isinstance(st, (ast.FunctionDef, ast.AsyncFunctionDef)) and st.name.startswith("test"):
             yield st.name, st, None
-        elif isinstance(st, ast.ClassDef) and st.name.startswith("Test"):
+        elif _is_test_class(st):
             for m in st.body:
                 if isinstance(m, (ast.FunctionDef, ast.AsyncFunctionDef)) and m.name.startswith("test"):
                     yield f"{st.name}::{m.name}", m, st
+
+
+def _bound_names(st: ast.stmt) -> set[str]:
+    """Names a module-level definition or assignment binds."""
+    if isinstance(st, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+        return {st.name}
+    targets = st.targets if isinstance(st, ast.Assign) else [st.target] if isinstance(st, ast.AnnAssign) else []
+    return {n.id for t in targets for n in ast.walk(t) if isinstance(n, ast.Name)}
+
+
+def _test_helpers(tree: ast.Module, names: set[str]) -> tuple[list[ast.stmt], set[str]]:
+    """Module-level helpers of a test file built on the deleted names (a test-only subclass, a
+    `Cache = TTLTestCache` alias), transitively: their statements and the names they bind. They go
+    with the feature, or the visible file would not import."""
+    helpers, found, grow = [], set(), True
+    candidates = [st for st in tree.body if isinstance(st, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef,
+                                                            ast.Assign, ast.AnnAssign))
+                  and not _is_test_class(st) and not (isinstance(st, (ast.FunctionDef, ast.AsyncFunctionDef))
+                                                      and st.name.startswith("test"))]
+    while grow:
+        grow = False
+        for st in candidates:
+            if st not in helpers and _bound_names(st) and any(references(st, n) for n in names | found):
+                helpers.append(st)
+                found |= _bound_names(st)
+                grow = True
+    return helpers, found
 
 
 class _Deleter(RepoSource):
@@ -75,20 +110,38 @@ class _Deleter(RepoSource):
         return out
 
     def strip_tests(self, f: Feature, also: frozenset[str] = frozenset()) -> tuple[dict[str, bytes], set[str]]:
-        """Visible test files without the feature's tests (those naming it, and the ids in `also`)
-        and imports; ids of the removed tests."""
+        """Visible test files without the feature's tests (those naming it or a test helper built on
+        it, and the ids in `also`), those helpers and its imports; ids of the removed tests. A test
+        class goes whole when its body outside its tests (bases, attributes) names the feature or
+        one of its inherited tests is in `also` (then its id `path::Class` stands for its tests: they
+        are not all in its body)."""
         edited, removed = {}, set()
+        names = {n for _, n, _ in f.parts}
         for path in self.test_files:
             src = self.texts[path]
             tree = parse(src)
-            ed, gone = Edits(src), []
-            names = [n for _, n, _ in f.parts]
+            helpers, local = _test_helpers(tree, names)
+            used = names | local
+            ed, gone, whole = Edits(src), [], []
+            for st in tree.body:
+                if not _is_test_class(st):
+                    continue
+                own = {m.name for m in st.body if isinstance(m, (ast.FunctionDef, ast.AsyncFunctionDef))}
+                outside = [b for b in st.bases] + [s for s in st.body if not isinstance(s, (ast.FunctionDef,
+                                                                                          ast.AsyncFunctionDef))]
+                inherited = any(i.startswith(f"{path}::{st.name}::") and i.split("::")[2] not in own for i in also)
+                if inherited or any(references(s, n) for s in outside for n in used):
+                    whole.append(st)
+                    tests = {f"{path}::{st.name}::{m}" for m in own if m.startswith("test")}
+                    removed |= tests if tests and not inherited else {f"{path}::{st.name}"}
             for suffix, st, cls in _test_defs(tree):
-                if f"{path}::{suffix}" in also or any(references(st, n) for n in names) or cls is not None and any(
-                        references(s, n) for s in cls.body if not isinstance(s, (ast.FunctionDef, ast.AsyncFunctionDef))
-                        for n in names):
+                if cls in whole:
+                    continue
+                if f"{path}::{suffix}" in also or any(references(st, n) for n in used):
                     gone.append((st, cls))
                     removed.add(f"{path}::{suffix}")
+            for st in whole + helpers:
+                ed.remove_statement(st)
             for st, cls in gone:
                 left = [s for s in cls.body if s not in [g for g, c in gone if c is cls]] if cls else None
                 if cls is not None and not any(isinstance(s, (ast.FunctionDef, ast.AsyncFunctionDef))
@@ -97,7 +150,7 @@ class _Deleter(RepoSource):
                 else:
                     ed.remove_statement(st)
             new = ed.result()
-            for n in names:
+            for n in [n for _, n, _ in f.parts]:
                 new, _ = strip_name(path, new, n, f.module.split(".")[0], drop_all=False)
             if new != src:
                 edited[path] = new
@@ -186,7 +239,7 @@ class _Deleter(RepoSource):
             if not v.ok:
                 discard(task)
                 return v.reason
-            own = [i for i in v.fail_to_pass if i.split("[")[0] in removed]
+            own = [i for i in v.fail_to_pass if i.split("[")[0] in removed or i.rsplit("::", 1)[0] in removed]
             if not own:
                 discard(task)
                 return "feature tests pass without it"

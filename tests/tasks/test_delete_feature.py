@@ -212,3 +212,71 @@ def test_multi_unit_deletion_spans_files(tmp_path, tcfg):
         apply_patch_in(sb, t.solution)
         assert sb.read_text("mini/core.py") == SPAN_CORE and sb.read_text("mini/util.py") == SPAN_UTIL
         assert grade_correctness(sb, t)["resolved"] is True
+
+
+RING_CORE = '''\
+def add(a, b):
+    return a + b
+
+
+class Ring:
+    """Integers modulo n."""
+
+    def __init__(self, n):
+        self.n = n
+
+    def __len__(self):
+        return self.n
+
+    def wrap(self, x):
+        return x % self.n
+'''
+RING_TESTS = '''\
+import unittest
+
+from mini.core import Ring, add
+
+
+class CountingRing(Ring):
+    """A test-only subclass: it goes with Ring, or the visible file would not import."""
+
+
+Alias = CountingRing
+
+
+class RingMixin:
+    def test_size(self):
+        self.assertEqual(len(self.Cls(3)), 3)
+
+
+class RingCase(unittest.TestCase, RingMixin):  # no tests of its own: all inherited
+    Cls = Alias
+
+
+class AddCase(unittest.TestCase):
+    def test_add(self):
+        self.assertEqual(add(2, 3), 5)
+'''
+
+
+def test_deletion_with_unittest_classes_and_test_helpers(tmp_path, tcfg):
+    """cachetools' shape: unittest.TestCase classes not named Test*, a test-only subclass of the
+    feature and an alias of it in the test module, a test class whose tests are all inherited."""
+    from kiln.tasks.delete_feature import generate_feature_groups
+    root = tmp_path / "src"
+    (root / "mini").mkdir(parents=True)
+    (root / "mini" / "__init__.py").write_text("")
+    (root / "mini" / "core.py").write_text(RING_CORE)
+    (root / "tests").mkdir()
+    (root / "tests" / "test_ring.py").write_text(RING_TESTS)
+    out = tmp_path / "out"
+    y = generate_feature_groups(str(root), str(out), tcfg, seed=0, progress=False, min_lines=8)
+    tasks = {t.provenance["name"]: t for t in load_suite(str(out))}
+    assert list(tasks) == ["mini.core.Ring"], str(y)
+    t = tasks["mini.core.Ring"]
+    assert t.fail_to_pass == ["tests/test_ring.py::RingCase::test_size"]
+    assert t.pass_to_pass == ["tests/test_ring.py::AddCase::test_add"]
+    visible = open(os.path.join(t.repo_dir, "tests/test_ring.py")).read()
+    assert "Ring," not in visible and "CountingRing" not in visible and "Alias" not in visible
+    assert "RingCase" not in visible and "class AddCase" in visible and "class RingMixin" in visible
+    assert t.hidden_tests() == {"tests/test_ring.py": RING_TESTS.encode()}

@@ -22,6 +22,9 @@ def test_kiln_bench_v1_plan():
     assert sum(by_cat.values()) >= 150
     assert {S.split_of(p) for p in projects} == {"train", "eval"}
     assert plan(KILN_BENCH_V1, ["toolz"], cap=1) == [("toolz", c, 1) for c in ("bugfix", "feature", "refactor", "tests")]
+    assert plan(KILN_BENCH_V1, ["toolz", "tabulate"], categories=["feature"]) == [("toolz", "feature", 3),
+                                                                              ("tabulate", "feature", 1)]
+    assert all(n > 0 for _, _, n in steps) and ("inflection", "refactor") not in {(p, c) for p, c, _ in steps}
 
 
 def test_build_errors(tmp_path, tcfg, monkeypatch):
@@ -29,6 +32,8 @@ def test_build_errors(tmp_path, tcfg, monkeypatch):
         build_suite("nope", str(tmp_path), tcfg)
     with pytest.raises(ValueError, match="not projects of kiln-bench-v1: nosuch"):
         build_suite("kiln-bench-v1", str(tmp_path), tcfg, projects=["nosuch"])
+    with pytest.raises(ValueError, match="not categories of kiln-bench-v1: docs"):
+        build_suite("kiln-bench-v1", str(tmp_path), tcfg, categories=["docs"])
     monkeypatch.setenv(S.SOURCES_ENV, str(tmp_path / "empty"))
     with pytest.raises(S.SourceError, match="kiln tasks sources --fetch"):
         build_suite("kiln-bench-v1", str(tmp_path / "out"), tcfg, projects=["parse"])
