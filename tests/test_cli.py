@@ -30,6 +30,13 @@ def test_dry_run_with_preset_on_subcommand():
     assert 'name = "small"' in result.stdout
 
 
+def test_real_base_preset_resolves_for_its_commands():
+    for command in (["sft"], ["pretrain"], ["bench"]):
+        result = runner.invoke(app, [*command, "-c", "real-base", "--dry-run"])
+        assert result.exit_code == 0, result.output
+        assert 'name = "real-base"' in result.stdout and "mtp_depth = 0" in result.stdout
+
+
 def test_misspelt_override_exits_2_naming_key():
     result = runner.invoke(app, ["speedrun", "--dry-run", "sandbox.memroy_mb=512"])
     assert result.exit_code == 2

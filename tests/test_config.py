@@ -4,13 +4,28 @@ from typing import Literal
 
 import pytest
 
-from kiln.config import Config, ConfigError, Section, config_to_toml, load_config, validate_config
+from kiln.config import CONFIGS_DIR, Config, ConfigError, Section, config_to_toml, load_config, validate_config
 
 
 def test_presets_load():
     tiny, small = load_config("tiny"), load_config("small")
     assert tiny.run.name == "tiny" and small.run.name == "small"
     assert small.sandbox.memory_mb == 4096 and small.sandbox.pool_size == 4
+
+
+def test_every_preset_validates():
+    presets = sorted(p.stem for p in CONFIGS_DIR.glob("*.toml"))
+    assert {"tiny", "small", "base", "bench", "real-base"} <= set(presets)
+    for name in presets:
+        assert load_config(name).run.name == name
+
+
+def test_real_base_preset_fits_a_real_model_on_a_cpu():
+    cfg = load_config("real-base")
+    assert cfg.model.mtp_depth == 0 and cfg.pretrain.init == ""  # --init names the imported model
+    assert [p.kind for p in cfg.pretrain.phases] == ["bulk", "sft"]
+    assert cfg.harness.max_turns >= 6 and cfg.harness.max_tokens < Config().harness.max_tokens
+    assert (cfg.sft.oracle_level, cfg.bench.passes) == (1, 1)
 
 
 def test_defaults_are_the_tiny_preset():

@@ -55,3 +55,20 @@ def test_a_missing_checkpoint_is_a_clear_error(suite, tcfg, tmp_path):
     with pytest.raises(BenchError, match=r"set policy.checkpoint=PATH \(or pass --checkpoint PATH"):
         run_bench(suite, "local", out_dir=str(tmp_path / "b2"), config=local_config(tcfg, ""), progress=False)
     assert not os.path.exists(tmp_path / "b1")  # refused before writing anything
+
+
+def test_the_engine_context_is_model_context_when_the_model_allows_more(tiny_checkpoint, tmp_path):
+    # A real model's own context (SmolLM2's 8,192, Gemma 3's 32,768) sized every KV slot: 4.5 GB for
+    # the real-base bench's 12 slots. model.context caps it, as it does for RL's workers.
+    from kiln.bench.run import start_engine
+    from kiln.model.tokenizer import load_tokenizer
+    from tests.tiny_model import dense_checkpoint
+
+    llama = dense_checkpoint(tmp_path / "llama", "llama", load_tokenizer(tiny_checkpoint).vocab_size, tiny_checkpoint)
+    for context, positions in ((64, 64), (4096, 512), (None, 512)):  # the tiny Llama has 512 positions
+        runner = start_engine(str(llama), 2, max_len=context)
+        try:
+            assert runner.engine.max_len == positions and runner.engine.cache.k.shape[3] == positions
+            assert runner.engine.prefix.kv.k.shape[3] == positions
+        finally:
+            runner.close()
