@@ -54,8 +54,8 @@ def test_top_level_dry_run_and_preset_before_command():
 # Every stage, shrunk to seconds: a few steps each, two oracle tasks, one held-out task.
 TINY_SPEEDRUN = [
     "corpus.max_mb=1", "pretrain.eval_points=2", "pretrain.eval_max_bytes=4000", "pretrain.device=cpu",
-    ('pretrain.phases=[{name="bulk", kind="bulk", steps=4, seq_len=64, batch_size=4, lr=3e-3}, '
-     '{name="extension", kind="extension", steps=2, seq_len=128, batch_size=2, lr=1e-3, rope_theta=20000.0}, '
+    ('pretrain.phases=[{name="bulk", kind="bulk", steps=4, seq_len=64, batch_size=4, lr=3e-4}, '
+     '{name="extension", kind="extension", steps=2, seq_len=128, batch_size=2, lr=1e-4, rope_theta=20000.0}, '
      '{name="sft", kind="sft", steps=2, seq_len=2560, batch_size=1, lr=1e-3}]'),
     "sft.oracle_tasks=2", "speedrun.eval_tasks=1", "speedrun.passes=1", "harness.max_turns=6", "harness.max_turn_tokens=32",
     "rl.tasks=2", "rl.steps=1", "rl.groups_per_step=1", "rl.group_size=2", "rl.workers=1", "rl.timeout_s=300",
