@@ -184,18 +184,21 @@ def test_span():
 '''
 
 
-def test_multi_unit_deletion_spans_files(tmp_path, tcfg):
+def _feature_groups(tmp_path, tcfg, files: dict[str, str]):
+    """generate_feature_groups (min_lines 8) over a project of `files` (path -> text); its Yield and tasks by name."""
     from kiln.tasks.delete_feature import generate_feature_groups
     root = tmp_path / "src"
-    (root / "mini").mkdir(parents=True)
-    (root / "mini" / "__init__.py").write_text(SPAN_INIT)
-    (root / "mini" / "util.py").write_text(SPAN_UTIL)
-    (root / "mini" / "core.py").write_text(SPAN_CORE)
-    (root / "tests").mkdir()
-    (root / "tests" / "test_core.py").write_text(SPAN_TESTS)
+    for rel, text in files.items():
+        (root / rel).parent.mkdir(parents=True, exist_ok=True)
+        (root / rel).write_text(text)
     out = tmp_path / "out"
     y = generate_feature_groups(str(root), str(out), tcfg, seed=0, progress=False, min_lines=8)
-    tasks = {t.provenance["name"]: t for t in load_suite(str(out))}
+    return y, {t.provenance["name"]: t for t in load_suite(str(out))}
+
+
+def test_multi_unit_deletion_spans_files(tmp_path, tcfg):
+    y, tasks = _feature_groups(tmp_path, tcfg, {"mini/__init__.py": SPAN_INIT, "mini/util.py": SPAN_UTIL,
+                                                "mini/core.py": SPAN_CORE, "tests/test_core.py": SPAN_TESTS})
     assert list(tasks) == ["mini.core.Span"], str(y)  # add (3 lines) is under min_lines; other has no helper
     t = tasks["mini.core.Span"]
     assert t.provenance["generator"] == "delete_feature_multi" and t.difficulty == 3
@@ -262,16 +265,8 @@ class AddCase(unittest.TestCase):
 def test_deletion_with_unittest_classes_and_test_helpers(tmp_path, tcfg):
     """cachetools' shape: unittest.TestCase classes not named Test*, a test-only subclass of the
     feature and an alias of it in the test module, a test class whose tests are all inherited."""
-    from kiln.tasks.delete_feature import generate_feature_groups
-    root = tmp_path / "src"
-    (root / "mini").mkdir(parents=True)
-    (root / "mini" / "__init__.py").write_text("")
-    (root / "mini" / "core.py").write_text(RING_CORE)
-    (root / "tests").mkdir()
-    (root / "tests" / "test_ring.py").write_text(RING_TESTS)
-    out = tmp_path / "out"
-    y = generate_feature_groups(str(root), str(out), tcfg, seed=0, progress=False, min_lines=8)
-    tasks = {t.provenance["name"]: t for t in load_suite(str(out))}
+    y, tasks = _feature_groups(tmp_path, tcfg, {"mini/__init__.py": "", "mini/core.py": RING_CORE,
+                                                "tests/test_ring.py": RING_TESTS})
     assert list(tasks) == ["mini.core.Ring"], str(y)
     t = tasks["mini.core.Ring"]
     assert t.fail_to_pass == ["tests/test_ring.py::RingCase::test_size"]
