@@ -249,7 +249,7 @@ class PretrainConfig(Section):
 
 class SftConfig(Section):
     """`kiln sft`'s data; its training settings are pretrain.phases' phases of kind "sft"."""
-    oracle_tasks: int = Field(2400, ge=0)  # toy train-split tasks the oracle solves for SFT data; 0 = none
+    oracle_tasks: int = Field(1200, ge=0)  # toy train-split tasks the oracle solves for SFT data; 0 = none
     oracle_level: int = Field(1, ge=0, le=3)  # their level (toy.py); 0 = levels 1-3 in turn
     oracle_seed: int = Field(0, ge=0)  # the first toy task index (train and eval tasks never overlap)
     # policy.oracle_mistakes while collecting SFT data: recovery to imitate (docs/architecture.md, "Copying")
