@@ -110,11 +110,14 @@ class RepoSource:
             self.close()
             raise
         self.n_tests, self.t_full = len(run.statuses), run.duration_s
-        # A fixed task timeout (a frozen suite's build) fixes the screening timeout too: one derived
-        # from the measured suite time would reject candidates on a busy machine and not on an idle one.
-        self.screen_timeout = task_timeout / 2 if task_timeout else max(10.0, 3 * self.t_full)
         # A fixed `task_timeout` (the frozen suite's) keeps task.toml free of measured times.
         self.task_timeout = task_timeout or max(60.0, 10 * self.t_full)
+        # Hangs are found by CPU time: a busy loop is stopped after screen_cpu CPU-seconds whatever
+        # the load, so a build on a loaded machine keeps what one on an idle machine keeps, and a
+        # hang holds its worker for seconds. A fixed task timeout fixes it too (a measured one would
+        # differ by machine). The wall timeout is the backstop for a hang that sleeps.
+        self.screen_cpu = task_timeout / 10 if task_timeout else max(10.0, 3 * self.t_full)
+        self.screen_timeout = self.task_timeout
         self.project = self.source.split(":", 1)[1] if self.source.startswith("builtin:") else \
             os.path.basename(self.source.rstrip("/"))
         self.name = slug(self.project)
@@ -126,7 +129,7 @@ class RepoSource:
             for path, data in files.items():
                 sb.write(path, data)
             snap = sb.snapshot(label="candidate")
-            return snap, run_tests(sb, self.test_command, self.screen_timeout, ids)
+            return snap, run_tests(sb, self.test_command, self.screen_timeout, ids, cpu_s=self.screen_cpu)
 
     def save(self, task: Task, files: dict[str, bytes], hidden: dict[str, bytes], gold: str) -> Task:
         """Write a candidate task into staging: the repository with `files` replaced."""

@@ -182,7 +182,7 @@ def test_{stem}_old_import_path_still_works():
                         "units": [u.name for u in mv.units], "seed": self.seed})
         task = self.save(task, {}, {hidden_path: hidden}, gold)
         try:
-            v = validate(task, self.cfg, self.base)
+            v = validate(task, self.cfg, self.base, cpu_s=self.screen_cpu)
             if not v.ok:
                 discard(task)
                 return v.reason

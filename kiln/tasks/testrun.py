@@ -6,8 +6,10 @@ summary (`STATUS id`) are understood; the summary wins (it reports teardown erro
 """
 from __future__ import annotations
 
+import math
 import re
 import shlex
+import signal
 from dataclasses import dataclass, field
 
 PASSED, FAILED, ERROR, SKIPPED, XFAIL, XPASS = "PASSED", "FAILED", "ERROR", "SKIPPED", "XFAIL", "XPASS"
@@ -124,14 +126,24 @@ def leading_env(command: str) -> dict[str, str]:
     return env
 
 
-def run_tests(sandbox, command: str, timeout_s: float, ids: list[str] | None = None) -> TestRun:
-    """Run `command` (plus `ids` as arguments, when given) in the workspace root."""
+SIGXCPU_EXIT = 128 + signal.SIGXCPU  # the shell's exit code for a process killed by its CPU-time limit
+
+
+def run_tests(sandbox, command: str, timeout_s: float, ids: list[str] | None = None,
+              cpu_s: float | None = None) -> TestRun:
+    """Run `command` (plus `ids` as arguments, when given) in the workspace root. `cpu_s` limits
+    each process of the run to that many CPU-seconds (RLIMIT_CPU): a busy loop is then stopped
+    after the same work on an idle machine and a loaded one, where the wall timeout would stop it
+    after a load-dependent amount; a run that hits it counts as timed out."""
     args = " ".join(shlex.quote(i) for i in ids or [])
-    r = sandbox.exec(f"( {command} -v {args} ) > {LOG} 2>&1", timeout_s=timeout_s, idle_timeout_s=timeout_s,
+    limit = f"ulimit -S -t {math.ceil(cpu_s)}; " if cpu_s else ""  # inside the subshell: not the shell's state
+    r = sandbox.exec(f"( {limit}{command} -v {args} ) > {LOG} 2>&1", timeout_s=timeout_s, idle_timeout_s=timeout_s,
                      cwd=sandbox.cfg.workdir)
     try:
         log = sandbox.read_text(LOG)
     except OSError:
         log = r.output
-    return TestRun(parse_pytest(log), r.exit_code, r.timed_out, r.duration_s, log[-20_000:],
-                   run_problems(log, r.exit_code))
+    over_cpu = bool(cpu_s) and r.exit_code == SIGXCPU_EXIT
+    problems = run_problems(log, r.exit_code) + ([f"a test process used more than {math.ceil(cpu_s)} CPU-seconds "
+                                                  "(a busy loop?) and was stopped"] if over_cpu else [])
+    return TestRun(parse_pytest(log), r.exit_code, r.timed_out or over_cpu, r.duration_s, log[-20_000:], problems)

@@ -53,7 +53,8 @@ def apply_patch_in(sandbox, patch: str) -> list[str]:
     return apply_patch(patch, sandbox.read_text, write)
 
 
-def validate(task: Task, sandbox_cfg, snapshot: Snapshot | None = None, runs_after: int = 2) -> Validation:
+def validate(task: Task, sandbox_cfg, snapshot: Snapshot | None = None, runs_after: int = 2,
+             cpu_s: float | None = None) -> Validation:
     """Run the hidden tests before and `runs_after` times after the gold patch (two or more: a
     test whose result changes is flaky); derive F2P and P2P. runs_after=0 is for a caller that
     grades the gold change itself (SFT data keeps only the oracle's solved rollouts): F2P is then
@@ -64,16 +65,16 @@ def validate(task: Task, sandbox_cfg, snapshot: Snapshot | None = None, runs_aft
         return Validation(False, "no gold patch")
     base = snapshot or Snapshot.from_dir(task.repo_dir, sandbox_cfg.state_dir)
     try:
-        return _run(task, gold, base, sandbox_cfg, runs_after)
+        return _run(task, gold, base, sandbox_cfg, runs_after, cpu_s)
     finally:
         if snapshot is None:  # imported here for this run only
             base.drop()
 
 
-def _run(task: Task, gold: str, base: Snapshot, sandbox_cfg, runs_after: int) -> Validation:
+def _run(task: Task, gold: str, base: Snapshot, sandbox_cfg, runs_after: int, cpu_s: float | None) -> Validation:
     with create(base, task.sandbox_config(sandbox_cfg)) as sb:
         write_hidden_tests(sb, task)
-        before = run_tests(sb, task.test_command, task.timeout_s)
+        before = run_tests(sb, task.test_command, task.timeout_s, cpu_s=cpu_s)
         if before.timed_out:
             return Validation(False, "tests time out before the gold patch")
         if runs_after == 0:
@@ -85,7 +86,7 @@ def _run(task: Task, gold: str, base: Snapshot, sandbox_cfg, runs_after: int) ->
             apply_patch_in(sb, gold)
         except (PatchError, OSError) as e:
             return Validation(False, f"gold patch does not apply: {e}")
-        after = [run_tests(sb, task.test_command, task.timeout_s) for _ in range(runs_after)]
+        after = [run_tests(sb, task.test_command, task.timeout_s, cpu_s=cpu_s) for _ in range(runs_after)]
     return judge(before, after)
 
 

@@ -9,7 +9,7 @@ from kiln.grading.correctness import grade_correctness, is_test_path
 from kiln.sandbox import Snapshot, create
 from kiln.tasks.patch import make_patch
 from kiln.tasks.record import Task, TaskError, load_suite, load_task, save_task
-from kiln.tasks.testrun import leading_env, parse_pytest
+from kiln.tasks.testrun import leading_env, parse_pytest, run_tests
 from kiln.tasks.validate import apply_patch_in, validate
 
 BUGGY = "def add(a, b):\n    return a - b\n\n\ndef mul(a, b):\n    return a * b\n"
@@ -88,6 +88,22 @@ def test_a_flaky_test_is_caught_by_the_second_run_after_the_gold_patch(tmp_path,
     trusted = validate(task, tcfg, runs_after=0)
     assert trusted.ok and trusted.fail_to_pass == once.fail_to_pass
     assert trusted.pass_to_pass == ["tests/test_calc.py::test_mul"]
+
+
+def test_a_busy_loop_is_stopped_by_cpu_time_not_the_wall_timeout(tmp_path, tcfg):
+    """A hang found by CPU time stops after the same work however loaded the machine is; the
+    limit stays inside that run (the sandbox's shell keeps no ulimit)."""
+    task = make_task(tmp_path)
+    spin = "def test_spin():\n    while True:\n        pass\n"
+    with create(Snapshot.from_dir(task.repo_dir, tcfg.state_dir), task.sandbox_config(tcfg)) as sb:
+        sb.write("tests/test_spin.py", spin)
+        run = run_tests(sb, task.test_command, 60.0, ["tests/test_spin.py"], cpu_s=1)
+        assert run.timed_out and run.duration_s < 30, run
+        assert any("more than 1 CPU-seconds" in p for p in run.problems)
+        assert sb.exec("ulimit -t").output.strip() == "unlimited"
+        sb.write("tests/test_spin.py", "def test_quick():\n    assert True\n")
+        ok = run_tests(sb, task.test_command, 60.0, ["tests/test_spin.py"], cpu_s=1)
+        assert not ok.timed_out and ok.statuses == {"tests/test_spin.py::test_quick": "PASSED"}
 
 
 def test_validate_rejects_bad_tasks(tmp_path, tcfg):

@@ -7,7 +7,7 @@ import os
 from kiln.grading.correctness import grade_correctness
 from kiln.sandbox import Snapshot, create
 from kiln.tasks.record import load_suite
-from kiln.tasks.testwrite import HARNESS_NAME, generate_test_tasks
+from kiln.tasks.testwrite import HARNESS_NAME, generate_test_tasks, harness
 from kiln.tasks.validate import apply_patch_in
 from tests.tasks.test_mutate import CORE, TESTS
 
@@ -67,3 +67,27 @@ def test_weak_and_strong_test_files_score_differently(tmp_path, tcfg):
     assert s["none"] == 0 and s["failing"] == 0 and s["edited"] == 0
     assert 0 < s["weak"] < s["strong"] == 1.0 and scores["strong"]["resolved"] and not scores["weak"]["resolved"]
     assert s["gold"] == 1.0 and scores["gold"]["resolved"]
+
+
+def test_a_busy_mutant_is_stopped_by_cpu_time_and_counts_as_killed(tmp_path):
+    """The harness limits each nested test run's CPU time: a mutant that loops forever is stopped
+    after the same work on an idle or a loaded machine (its wall timeout is only the backstop)."""
+    import subprocess
+    import sys
+    import time
+
+    from kiln.tasks.mutants import Mutant
+    repo = make_repo(tmp_path / "src")
+    src = CORE.encode()
+    at = src.index(b"out = 0")
+    spin = Mutant("mini/core.py", 34, "hang", "total", at, at + len(b"out = 0"), b"out = 0",
+                  b"out = 0\n    while True:\n        pass")
+    (tmp_path / "src" / "tests" / "test_mine.py").write_text(STRONG)
+    h = tmp_path / "src" / "tests" / HARNESS_NAME
+    h.write_bytes(harness("mini/core.py", src, f"tests/{HARNESS_NAME}", ["tests/test_core.py", "tests/test_other.py",
+                                                                          f"tests/{HARNESS_NAME}"], [spin], 600.0, cpu_s=2))
+    t0 = time.monotonic()
+    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(h)], cwd=repo,
+                       capture_output=True, text=True, env={**os.environ, "PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1"})
+    assert r.returncode == 0 and "2 passed" in r.stdout, r.stdout[-2000:]
+    assert time.monotonic() - t0 < 100  # stopped at 2 CPU-seconds, not the 600 s wall timeout
