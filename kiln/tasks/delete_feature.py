@@ -235,7 +235,7 @@ class _Deleter(RepoSource):
                         difficulty=2 if len(f.parts) == 1 else 3, provenance=prov)
             hidden = {p: self.texts[p] for p in sorted({r.split("::")[0] for r in removed})}
             task = self.save(task, {**source, **tests}, hidden, gold)
-            v = validate(task, self.cfg, snap, cpu_s=self.screen_cpu)
+            v = validate(task, self.cfg, snap, cpu_s=self.screen_cpu, base_run=self.base_run)
             if not v.ok:
                 discard(task)
                 return v.reason

@@ -70,18 +70,28 @@ def failure_messages(log: str, ids: list[str]) -> dict[str, str]:
     return out
 
 
-def baseline(snapshot: Snapshot, cfg, test_command: str, timeout_s: float = 600) -> TestRun:
-    """Run the repository's own tests once; they must all pass for derived tasks to mean anything."""
+def baseline(snapshot: Snapshot, cfg, test_command: str, timeout_s: float = 600, runs: int = 2) -> TestRun:
+    """Run the repository's own tests `runs` times; they must all pass, alike every time, for derived
+    tasks to mean anything. Two alike runs let validation take this one for every tree that is the
+    base again (validate's `base_run`) instead of running the suite twice per task."""
+    got = []
     with create(snapshot, cfg) as sb:
-        run = run_tests(sb, test_command, timeout_s)
-    if run.timed_out:
-        raise GeneratorError(f"the repository's tests time out after {timeout_s:.0f}s")
-    bad = failing(run)
-    if bad or not run.statuses:
-        what = f"failing: {bad[:10]}" if bad else "no tests were found"
-        raise GeneratorError(f"the repository's own tests must pass before tasks are derived ({what}); "
-                             f"log tail:\n{run.log[-1500:]}")
-    return run
+        for _ in range(runs):
+            run = run_tests(sb, test_command, timeout_s)
+            if run.timed_out:
+                raise GeneratorError(f"the repository's tests time out after {timeout_s:.0f}s")
+            bad = failing(run)
+            if bad or not run.statuses:
+                what = f"failing: {bad[:10]}" if bad else "no tests were found"
+                raise GeneratorError(f"the repository's own tests must pass before tasks are derived ({what}); "
+                                     f"log tail:\n{run.log[-1500:]}")
+            got.append(run)
+    ids = sorted(set().union(*(r.statuses for r in got)))
+    flaky = [i for i in ids if len({r.statuses.get(i) for r in got}) > 1]
+    if flaky:
+        raise GeneratorError(f"the repository's tests give different outcomes on two runs of the same code: {flaky[:10]}; "
+                             "deselect them (pytest's --deselect in the project's addopts) and try again")
+    return got[0]
 
 
 class RepoSource:
@@ -109,7 +119,7 @@ class RepoSource:
         except BaseException:
             self.close()
             raise
-        self.n_tests, self.t_full = len(run.statuses), run.duration_s
+        self.base_run, self.n_tests, self.t_full = run, len(run.statuses), run.duration_s
         # A fixed `task_timeout` (the frozen suite's) keeps task.toml free of measured times.
         self.task_timeout = task_timeout or max(60.0, 10 * self.t_full)
         # Hangs are found by CPU time: a busy loop is stopped after screen_cpu CPU-seconds whatever

@@ -103,7 +103,7 @@ class _Mutator(RepoSource):
                 return "mutant breaks too many tests"
             msgs = failure_messages(run.log, fails)
             task = self.new_task(m, mutated, fails, msgs)
-            v = validate(task, self.cfg, snap, cpu_s=self.screen_cpu)
+            v = validate(task, self.cfg, snap, cpu_s=self.screen_cpu, base_run=self.base_run)
             if not v.ok:
                 discard(task)
                 return v.reason
@@ -223,7 +223,7 @@ class _MultiMutator(_Mutator):
                                          "mutant": m.replacement.decode("utf-8", "replace")} for m in group]})
             hidden = {p: self.texts[p] for p in sorted({test_file(i) for i in fails})}
             task = self.save(task, {path: mutated}, hidden, gold)
-            v = validate(task, self.cfg, snap, cpu_s=self.screen_cpu)
+            v = validate(task, self.cfg, snap, cpu_s=self.screen_cpu, base_run=self.base_run)
             if not v.ok:
                 discard(task)
                 return v.reason

@@ -182,7 +182,8 @@ def test_{stem}_old_import_path_still_works():
                         "units": [u.name for u in mv.units], "seed": self.seed})
         task = self.save(task, {}, {hidden_path: hidden}, gold)
         try:
-            v = validate(task, self.cfg, self.base, cpu_s=self.screen_cpu)
+            v = validate(task, self.cfg, self.base, runs_after=1, cpu_s=self.screen_cpu, base_run=self.base_run,
+                         only=[hidden_path])
             if not v.ok:
                 discard(task)
                 return v.reason

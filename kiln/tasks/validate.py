@@ -1,6 +1,7 @@
 """Validate a task by execution: hidden tests fail before the gold change and pass after it,
 twice (a flaky task is rejected; once, or not at all, when a later step runs them after the gold
-change anyway), and the gold change breaks nothing that passed."""
+change anyway, or when a generator's baseline already shows the tree after it), and the gold
+change breaks nothing that passed."""
 from __future__ import annotations
 
 import shlex
@@ -54,29 +55,41 @@ def apply_patch_in(sandbox, patch: str) -> list[str]:
 
 
 def validate(task: Task, sandbox_cfg, snapshot: Snapshot | None = None, runs_after: int = 2,
-             cpu_s: float | None = None) -> Validation:
+             cpu_s: float | None = None, base_run: TestRun | None = None, only: list[str] | None = None) -> Validation:
     """Run the hidden tests before and `runs_after` times after the gold patch (two or more: a
     test whose result changes is flaky); derive F2P and P2P. runs_after=0 is for a caller that
     grades the gold change itself (SFT data keeps only the oracle's solved rollouts): F2P is then
     what fails before, P2P what passes. Without a `snapshot` the task's repo is imported for this
-    run and dropped afterwards."""
+    run and dropped afterwards. `cpu_s`: each test process's CPU-time limit (run_tests).
+
+    `base_run`: a generator's baseline run of its base tree (two runs alike: flakiness is checked
+    there), which these tests need not repeat. Alone it says the gold patch turns the task's tree
+    back into the base (a mutant reverted, a deleted feature restored), so it stands for the run
+    after the patch. With `only`, the task's tree is the base plus just those test files (a move's
+    hidden test): only they run before the patch, the rest keep the baseline's outcomes."""
     gold = task.solution
     if not gold:
         return Validation(False, "no gold patch")
     base = snapshot or Snapshot.from_dir(task.repo_dir, sandbox_cfg.state_dir)
     try:
-        return _run(task, gold, base, sandbox_cfg, runs_after, cpu_s)
+        return _run(task, gold, base, sandbox_cfg, runs_after, cpu_s, base_run, only)
     finally:
         if snapshot is None:  # imported here for this run only
             base.drop()
 
 
-def _run(task: Task, gold: str, base: Snapshot, sandbox_cfg, runs_after: int, cpu_s: float | None) -> Validation:
+def _run(task: Task, gold: str, base: Snapshot, sandbox_cfg, runs_after: int, cpu_s: float | None,
+         base_run: TestRun | None, only: list[str] | None) -> Validation:
     with create(base, task.sandbox_config(sandbox_cfg)) as sb:
         write_hidden_tests(sb, task)
-        before = run_tests(sb, task.test_command, task.timeout_s, cpu_s=cpu_s)
+        before = run_tests(sb, task.test_command, task.timeout_s, only, cpu_s=cpu_s)
         if before.timed_out:
             return Validation(False, "tests time out before the gold patch")
+        if base_run is not None and only is None:
+            return judge(before, [base_run])
+        if base_run is not None:
+            before = TestRun({**{i: st for i, st in base_run.statuses.items() if i.split("::")[0] not in only},
+                              **before.statuses}, before.exit_code, False, before.duration_s, before.log, before.problems)
         if runs_after == 0:
             failing = sorted(i for i in before.statuses if not before.passed(i))
             passing = sorted(i for i in before.statuses if before.passed(i))

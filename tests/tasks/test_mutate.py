@@ -110,6 +110,13 @@ def test_generate_mutants_needs_passing_tests(tmp_path, tcfg):
     repo = make_repo(tmp_path / "src", TESTS.replace("== 6", "== 7"))
     with pytest.raises(GeneratorError, match=r"own tests must pass.*test_total"):
         generate_mutants(repo, str(tmp_path / "out"), tcfg, progress=False)
+    # Passes, then skips: every run passes, but validation takes the baseline for the tree after a
+    # gold patch only because two runs of it agree.
+    once = TESTS + "\n\ndef test_once():\n    import os, pytest\n    if os.path.exists('seen'):\n" \
+                   "        pytest.skip('ran before')\n    open('seen', 'w').close()\n"
+    repo = make_repo(tmp_path / "src2", once)
+    with pytest.raises(GeneratorError, match=r"different outcomes on two runs.*test_once.*--deselect"):
+        generate_mutants(repo, str(tmp_path / "out"), tcfg, progress=False)
 
 
 def test_materialized_toolz_imports_its_own_copy(tmp_path, tcfg):
