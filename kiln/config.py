@@ -271,7 +271,7 @@ class BenchConfig(Section):
 
 class SpeedrunConfig(Section):
     """`kiln speedrun`'s evaluation of the SFT model (kiln/speedrun.py)."""
-    eval_tasks: int = Field(64, ge=1)  # held-out toy tasks (eval split)
+    eval_tasks: int = Field(128, ge=1)  # held-out toy tasks (eval split)
     eval_level: int = Field(1, ge=0, le=3)  # 0 = levels 1-3 in turn
     passes: int = Field(4, ge=1)  # mean and best-of-K over K passes
 
