@@ -1,6 +1,7 @@
 """`kiln tokenizer ...`, `kiln probe ...`, `kiln model ...` and `kiln serve`: the model-side commands."""
 from __future__ import annotations
 
+import signal
 from pathlib import Path
 from typing import Annotated
 
@@ -119,6 +120,10 @@ def serve(checkpoint: Annotated[str, typer.Option("--checkpoint", help="A checkp
     except (CheckpointError, SafetensorError, FileNotFoundError, ValueError, OSError) as e:
         fail(str(e))
     typer.echo(f"serving {server.app.model_name} at {server.url}/v1 (Ctrl-C stops)")
+    # Ctrl-C and SIGTERM (a service manager, `docker stop`) stop it cleanly, also when it was started
+    # in the background by a shell, which leaves SIGINT ignored and so KeyboardInterrupt never raised.
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, signal.default_int_handler)
     try:
         server.wait()
     except KeyboardInterrupt:

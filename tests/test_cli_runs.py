@@ -191,11 +191,17 @@ def test_sft_fine_tunes_a_checkpoint_on_given_trajectories(tiny_checkpoint, tmp_
     assert len((tmp_path / "tiny" / "sft" / "metrics.jsonl").read_text().splitlines()) == 2
 
 
-def test_serve_answers_on_loopback_and_stops_on_ctrl_c(tiny_checkpoint):
-    """The real entry point in its own process: it says where it listens, serves, and Ctrl-C ends it cleanly."""
+def _ignore_sigint() -> None:  # what a non-interactive shell does to a job it starts with &
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["ctrl_c", "sigterm"])
+def test_serve_answers_on_loopback_and_stops_on_ctrl_c(tiny_checkpoint, sig):
+    """The real entry point in its own process: it says where it listens, serves, and Ctrl-C or
+    SIGTERM ends it cleanly, also when started in the background (SIGINT inherited as ignored)."""
     proc = subprocess.Popen([sys.executable, "-m", "kiln", "serve", "--checkpoint", str(tiny_checkpoint), "--port", "0",
                              "--model-name", "tiny-test"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+                            env={**os.environ, "PYTHONUNBUFFERED": "1"}, preexec_fn=_ignore_sigint)
     try:
         ready, _, _ = select.select([proc.stdout], [], [], 120)
         line = proc.stdout.readline() if ready else ""
@@ -203,7 +209,7 @@ def test_serve_answers_on_loopback_and_stops_on_ctrl_c(tiny_checkpoint):
         url = line.split()[3]
         with urllib.request.urlopen(url + "/models", timeout=30) as r:
             assert [m["id"] for m in json.load(r)["data"]] == ["tiny-test"]
-        proc.send_signal(signal.SIGINT)
+        proc.send_signal(sig)
         out, err = proc.communicate(timeout=60)
     finally:
         if proc.poll() is None:
