@@ -3,9 +3,13 @@ strong test file score differently (the fraction of hidden mutants they kill).""
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
+import time
 
 from kiln.grading.correctness import grade_correctness
 from kiln.sandbox import Snapshot, create
+from kiln.tasks.mutants import Mutant
 from kiln.tasks.record import load_suite
 from kiln.tasks.testwrite import HARNESS_NAME, generate_test_tasks, harness
 from kiln.tasks.validate import apply_patch_in
@@ -72,11 +76,6 @@ def test_weak_and_strong_test_files_score_differently(tmp_path, tcfg):
 def test_a_busy_mutant_is_stopped_by_cpu_time_and_counts_as_killed(tmp_path):
     """The harness limits each nested test run's CPU time: a mutant that loops forever is stopped
     after the same work on an idle or a loaded machine (its wall timeout is only the backstop)."""
-    import subprocess
-    import sys
-    import time
-
-    from kiln.tasks.mutants import Mutant
     repo = make_repo(tmp_path / "src")
     src = CORE.encode()
     at = src.index(b"out = 0")
