@@ -3,8 +3,11 @@
 Each mutant (kiln/tasks/mutants.py) is screened cheaply first: a sandbox of the repository with
 the mutated file runs only the test files that name the mutated function (one full-suite run
 when none does). Mutants no test notices, that hang, that break collection or that break too
-much are dropped there; the rest are validated in full (`validate`: the gold patch, the reverse
-edit, is run twice). The failing tests become fail-to-pass.
+much are dropped there; the rest are validated in full (`validate`: the whole suite before the
+gold patch; after it, the reverse edit, the tree is the base, whose baseline run stands for it).
+The failing tests become fail-to-pass. A multi-site bug (2-3 mutants of one unit) is screened the
+other way round: its full-suite run comes first and is also the run before the patch, then each
+site runs alone on just the tests that run found failing.
 
 Hidden tests: the test files holding the fail-to-pass tests. They stay visible in repo/ too,
 unchanged (as in SWE-bench, where the old tests are visible): an agent may run them, and the
@@ -30,7 +33,7 @@ from .mutants import Mutant, find_mutants
 from .patch import make_patch
 from .prompts import bug_prompt
 from .record import DEFAULT_TEST_COMMAND, Task
-from .validate import validate
+from .validate import judge, validate
 from .yields import Yield
 
 MAX_FAIL_FRACTION = 0.5  # a mutant failing more of the suite than this is a broken build, not a bug
@@ -180,9 +183,10 @@ class _MultiMutator(_Mutator):
         pat = re.compile(rb"\b(" + b"|".join(re.escape(w.encode()) for w in words) + rb")\b") if words else None
         return bool(pat) and any(pat.search(self.texts[t]) for t in self.test_files)
 
-    def screen_one(self, m: Mutant) -> str | None:
-        """Why a single site is unusable (None: some test catches it on its own, without breaking too much)."""
-        snap, run = self.screen({m.path: m.apply(self.texts[m.path])}, self.affected(m))
+    def screen_one(self, m: Mutant, ids: list[str]) -> str | None:
+        """Why a single site is unusable (None: some of `ids`, the tests the sites break together,
+        catches it on its own)."""
+        snap, run = self.screen({m.path: m.apply(self.texts[m.path])}, ids)
         snap.drop(keep=self.base)
         fails = failing(run)
         if run.timed_out:
@@ -191,19 +195,16 @@ class _MultiMutator(_Mutator):
             return "a site breaks test collection"
         if not fails:
             return "a site survives the tests"
-        if len(fails) > MAX_FAIL_FRACTION * self.n_tests:
-            return "a site breaks too many tests"
         return None
 
     def handle_group(self, group: list[Mutant]) -> Task | str:
-        for m in group:  # every site must matter: a test catches each one alone
-            why = self.screen_one(m)
-            if why:
-                return why
         path = group[0].path
         mutated = apply_all(self.texts[path], group)
-        files = sorted({t for m in group for t in (self.affected(m) or self.test_files)})
-        snap, run = self.screen({path: mutated}, files if len(files) < len(self.test_files) else None)
+        # One full-suite run of the sites together is both the screen and the validation's run
+        # before the gold patch (the baseline is the run after it: the patch restores the base);
+        # then each site runs alone on just the tests that run found failing.
+        snap, run = self.screen({path: mutated})
+        snap.drop(keep=self.base)
         task = None
         try:
             fails = failing(run)
@@ -211,6 +212,13 @@ class _MultiMutator(_Mutator):
                 return "the sites together do not fail cleanly"
             if len(fails) > MAX_FAIL_FRACTION * self.n_tests:
                 return "mutant breaks too many tests"
+            for m in group:  # every site must matter: a failing test catches each one alone
+                why = self.screen_one(m, fails)
+                if why:
+                    return why
+            v = judge(run, [self.base_run])
+            if not v.ok:
+                return v.reason
             msgs = failure_messages(run.log, fails)
             unit = f"{module_name(path)}.{group[0].function.split('.')[0]}"
             key = hashlib.sha1(b"".join(f"{m.key}".encode() for m in group)).hexdigest()[:10]
@@ -221,22 +229,15 @@ class _MultiMutator(_Mutator):
                                         {"line": m.line, "function": f"{module_name(path)}.{m.function}",
                                          "mutation": m.kind, "original": m.original.decode("utf-8", "replace"),
                                          "mutant": m.replacement.decode("utf-8", "replace")} for m in group]})
-            hidden = {p: self.texts[p] for p in sorted({test_file(i) for i in fails})}
+            hidden = {p: self.texts[p] for p in sorted({test_file(i) for i in v.fail_to_pass})}
             task = self.save(task, {path: mutated}, hidden, gold)
-            v = validate(task, self.cfg, snap, cpu_s=self.screen_cpu, base_run=self.base_run)
-            if not v.ok:
-                discard(task)
-                return v.reason
             task.fail_to_pass, task.pass_to_pass = v.fail_to_pass, v.pass_to_pass
             msg = next((msgs[i] for i in v.fail_to_pass if msgs.get(i)), "")
             task.prompt = bug_prompt(task.id, self.project, unit.split(".")[-1], path, v.fail_to_pass, msg, multi=True)
-            extra = {test_file(i) for i in v.fail_to_pass} - set(task.hidden_tests())
-            return publish(task, self.out_dir, {p: self.texts[p] for p in sorted(extra)})
+            return publish(task, self.out_dir)
         except BaseException:
             discard(task)
             raise
-        finally:
-            snap.drop(keep=self.base)
 
 
 def generate_multi_mutants(repo: str, out_dir: str, sandbox_cfg, max_tasks: int | None = None, seed: int = 0,

@@ -13,9 +13,11 @@ scores a `tests` task by the fraction of them that pass (kiln/grading/correctnes
 test file kills few mutants and scores low, a strong one high.
 
 Mutants come from kiln/tasks/mutants.py. Which are kept is decided by execution: the harness runs
-once with the gold tests over a seeded sample of M's mutants, and the first `n_mutants` that T
-kills are the task's (too few, and the candidate is dropped). Then the task is validated like
-every other (before: all fail; after the gold change, twice: all pass; nothing breaks).
+with the gold tests over a seeded sample of M's mutants, and the first `n_mutants` that T kills
+are the task's (too few, and the candidate is dropped). Then the task is validated like every
+other: before the gold change the hidden tests all fail, after it they all pass and nothing
+breaks. The run after it is not repeated: that tree is the base (whose suite the baseline ran
+twice) plus the harness (whose outcomes on the kept mutants screening just measured).
 """
 from __future__ import annotations
 
@@ -33,7 +35,7 @@ from .patch import make_patch
 from .prompts import tests_prompt
 from .pyedit import parse
 from .record import DEFAULT_TEST_COMMAND, Task
-from .testrun import run_tests
+from .testrun import TestRun, run_tests
 from .validate import validate
 from .yields import Yield
 
@@ -184,20 +186,23 @@ class _Writer(RepoSource):
             return "the harness path is taken"
         known = [p for p in self.test_files if p != t_path] + [h_path]
         timeout = min(60.0, self.task_timeout / 4)  # per nested run; fixed by the task timeout, never measured
-        # The repository without T, the gold tests put back as the agent would, the harness over the pool.
-        repo_files = {h_path: harness(m_path, src, h_path, known, pool, timeout, screen=True)}
-        from kiln.sandbox import create
-        with create(self.base, self.cfg) as sb:
-            sb.write(t_path, self.texts[t_path])
-            for p, data in repo_files.items():
-                sb.write(p, data)
-            run = run_tests(sb, self.test_command, max(self.screen_timeout, 2 * timeout * len(pool)), [h_path],
-                            cpu_s=self.screen_cpu)
-        if run.timed_out:
-            return "the harness times out"
-        killed = [m for m in pool if run.passed(f"{h_path}::test_new_tests_kill_mutant[{_mid(m)}]")]
-        if not run.passed(f"{h_path}::test_new_tests_pass_on_the_code"):
-            return "the gold tests fail in the harness"
+        # Screening: the repository without T, the gold tests put back as the agent would, the
+        # harness over the pool's first mutants, then over the rest only when too few were killed.
+        # Each nested run costs a pytest start, so the second run is usually saved; the kept
+        # mutants are the first n_mutants killed in pool order either way.
+        first = self.n_mutants + self.n_mutants // 2
+        runs, killed, tried = {}, [], 0
+        for chunk in (pool[:first], pool[first:]):
+            if not chunk or len(killed) >= self.n_mutants:
+                break
+            run = self._screen(t_path, h_path, m_path, src, known, chunk, timeout)
+            if run.timed_out:
+                return "the harness times out"
+            if not run.passed(f"{h_path}::test_new_tests_pass_on_the_code"):
+                return "the gold tests fail in the harness"
+            killed += [m for m in chunk if run.passed(_hid(h_path, m))]
+            tried += len(chunk)
+            runs.update(run.statuses)
         kept = killed[:self.n_mutants]
         if len(kept) < self.min_kept:
             return "the gold tests kill too few mutants"
@@ -209,12 +214,16 @@ class _Writer(RepoSource):
                     prompt=tests_prompt(f"{t_path}:{m_path}", self.project, mod, m_path, self.covered(t_path, m_path)),
                     category="tests",
                     difficulty=2, provenance={"generator": "write_tests", "source": self.source, "module": m_path,
-                                              "gold_tests": t_path, "mutants": len(kept), "mutants_tried": len(pool),
+                                              "gold_tests": t_path, "mutants": len(kept), "mutants_tried": tried,
                                               "seed": self.seed})
         task = self.save(task, {}, hidden, gold)
         try:
             os.remove(os.path.join(task.repo_dir, t_path))
-            v = validate(task, self.cfg, runs_after=1, cpu_s=self.screen_cpu)  # the screening run was the gold's first
+            # The tree after the gold change is the base plus the harness: the baseline measured
+            # the one, screening the other (the kept mutants and the run on the unchanged code).
+            ids = {f"{h_path}::test_new_tests_pass_on_the_code"} | {_hid(h_path, m) for m in kept}
+            after = TestRun({**self.base_run.statuses, **{i: st for i, st in runs.items() if i in ids}})
+            v = validate(task, self.cfg, cpu_s=self.screen_cpu, base_run=after)
             if not v.ok:
                 discard(task)
                 return v.reason
@@ -231,8 +240,22 @@ class _Writer(RepoSource):
             raise
 
 
+    def _screen(self, t_path: str, h_path: str, m_path: str, src: bytes, known: list[str], mutants: list,
+                timeout: float) -> TestRun:
+        from kiln.sandbox import create
+        with create(self.base, self.cfg) as sb:
+            sb.write(t_path, self.texts[t_path])
+            sb.write(h_path, harness(m_path, src, h_path, known, mutants, timeout, screen=True))
+            return run_tests(sb, self.test_command, max(self.screen_timeout, 2 * timeout * len(mutants)), [h_path],
+                             cpu_s=self.screen_cpu)
+
+
 def _mid(m) -> str:
     return f"{m.function}-L{m.line}-{m.key[:6]}"
+
+
+def _hid(h_path: str, m) -> str:
+    return f"{h_path}::test_new_tests_kill_mutant[{_mid(m)}]"
 
 
 def generate_test_tasks(repo: str, out_dir: str, sandbox_cfg, max_tasks: int | None = None, seed: int = 0,
