@@ -5,9 +5,9 @@ the mutated file runs only the test files that name the mutated function (one fu
 when none does). Mutants no test notices, that hang, that break collection or that break too
 much are dropped there; the rest are validated in full (`validate`: the whole suite before the
 gold patch; after it, the reverse edit, the tree is the base, whose baseline run stands for it).
-The failing tests become fail-to-pass. A multi-site bug (2-3 mutants of one unit) is screened the
-other way round: its full-suite run comes first and is also the run before the patch, then each
-site runs alone on just the tests that run found failing.
+The failing tests become fail-to-pass. A multi-site bug (2-3 mutants of one unit) is screened with
+its sites together first, then each site alone on just the tests that run found failing (see
+`handle_group`).
 
 Hidden tests: the test files holding the fail-to-pass tests. They stay visible in repo/ too,
 unchanged (as in SWE-bench, where the old tests are visible): an agent may run them, and the
@@ -200,11 +200,13 @@ class _MultiMutator(_Mutator):
     def handle_group(self, group: list[Mutant]) -> Task | str:
         path = group[0].path
         mutated = apply_all(self.texts[path], group)
-        # One full-suite run of the sites together is both the screen and the validation's run
-        # before the gold patch (the baseline is the run after it: the patch restores the base);
-        # then each site runs alone on just the tests that run found failing.
-        snap, run = self.screen({path: mutated})
-        snap.drop(keep=self.base)
+        # The sites together run first, on the test files that name their unit, then each site alone
+        # on just the tests that run found failing. When those files hold most of the suite, the
+        # whole suite costs little more and its run is also the one before the gold patch (the
+        # baseline is the one after: the patch restores the base), so validation runs nothing.
+        files = {t for m in group for t in (self.affected(m) or self.test_files)}
+        share = sum(test_file(i) in files for i in self.base_run.statuses) / max(1, self.n_tests)
+        snap, run = self.screen({path: mutated}, sorted(files) if share < 0.5 else None)
         task = None
         try:
             fails = failing(run)
@@ -216,9 +218,6 @@ class _MultiMutator(_Mutator):
                 why = self.screen_one(m, fails)
                 if why:
                     return why
-            v = judge(run, [self.base_run])
-            if not v.ok:
-                return v.reason
             msgs = failure_messages(run.log, fails)
             unit = f"{module_name(path)}.{group[0].function.split('.')[0]}"
             key = hashlib.sha1(b"".join(f"{m.key}".encode() for m in group)).hexdigest()[:10]
@@ -229,15 +228,23 @@ class _MultiMutator(_Mutator):
                                         {"line": m.line, "function": f"{module_name(path)}.{m.function}",
                                          "mutation": m.kind, "original": m.original.decode("utf-8", "replace"),
                                          "mutant": m.replacement.decode("utf-8", "replace")} for m in group]})
-            hidden = {p: self.texts[p] for p in sorted({test_file(i) for i in v.fail_to_pass})}
+            hidden = {p: self.texts[p] for p in sorted({test_file(i) for i in fails})}
             task = self.save(task, {path: mutated}, hidden, gold)
+            v = judge(run, [self.base_run]) if share >= 0.5 else \
+                validate(task, self.cfg, snap, cpu_s=self.screen_cpu, base_run=self.base_run)
+            if not v.ok:
+                discard(task)
+                return v.reason
             task.fail_to_pass, task.pass_to_pass = v.fail_to_pass, v.pass_to_pass
             msg = next((msgs[i] for i in v.fail_to_pass if msgs.get(i)), "")
             task.prompt = bug_prompt(task.id, self.project, unit.split(".")[-1], path, v.fail_to_pass, msg, multi=True)
-            return publish(task, self.out_dir)
+            extra = {test_file(i) for i in v.fail_to_pass} - set(task.hidden_tests())
+            return publish(task, self.out_dir, {p: self.texts[p] for p in sorted(extra)})
         except BaseException:
             discard(task)
             raise
+        finally:
+            snap.drop(keep=self.base)
 
 
 def generate_multi_mutants(repo: str, out_dir: str, sandbox_cfg, max_tasks: int | None = None, seed: int = 0,
