@@ -239,7 +239,6 @@ class _Writer(RepoSource):
             discard(task)
             raise
 
-
     def _screen(self, t_path: str, h_path: str, m_path: str, src: bytes, known: list[str], mutants: list,
                 timeout: float) -> TestRun:
         from kiln.sandbox import create

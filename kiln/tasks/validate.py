@@ -64,10 +64,11 @@ def validate(task: Task, sandbox_cfg, snapshot: Snapshot | None = None, runs_aft
 
     `base_run`: a generator's baseline run of its base tree (two runs alike: flakiness is checked
     there), which these tests need not repeat. Alone it says the gold patch turns the task's tree
-    back into the base (a deleted feature restored), so it stands for the run after the patch; a
-    caller may also put it together from runs that covered that tree (a test-writing task's: the
-    base plus its harness, which screening ran). With `only`, the task's tree is the base plus just those test files (a move's
-    hidden test): only they run before the patch, the rest keep the baseline's outcomes."""
+    back into the base (a mutant reverted, a deleted feature restored), so it stands for the run
+    after the patch; a caller may also put it together from runs that covered that tree (a
+    test-writing task's: the base plus its harness, which screening ran). With `only`, the task's
+    tree is the base plus just those test files (a move's hidden test): only they run before the
+    patch, the rest keep the baseline's outcomes."""
     gold = task.solution
     if not gold:
         return Validation(False, "no gold patch")
