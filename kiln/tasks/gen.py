@@ -13,7 +13,7 @@ from kiln.sandbox import Snapshot, create
 
 from .patch import gold_stats
 from .record import Task, save_task
-from .testrun import PASSED, SKIPPED, XFAIL, TestRun, run_tests
+from .testrun import PASSED, SKIPPED, XFAIL, TestRun, hang_wall, run_tests
 from .yields import Yield
 
 SKIP_DIRS = {".git", ".hg", ".venv", "venv", "node_modules", "build", "dist", "__pycache__",
@@ -125,9 +125,9 @@ class RepoSource:
         # Hangs are found by CPU time: a busy loop is stopped after screen_cpu CPU-seconds whatever
         # the load, so a build on a loaded machine keeps what one on an idle machine keeps, and a
         # hang holds its worker for seconds. A fixed task timeout fixes it too (a measured one would
-        # differ by machine). The wall timeout is the backstop for a hang that sleeps.
+        # differ by machine). A hang that sleeps is stopped by the wall, at a few times that.
         self.screen_cpu = task_timeout / 10 if task_timeout else max(10.0, 3 * self.t_full)
-        self.screen_timeout = self.task_timeout
+        self.screen_timeout = hang_wall(self.task_timeout, self.screen_cpu)
         self.project = self.source.split(":", 1)[1] if self.source.startswith("builtin:") else \
             os.path.basename(self.source.rstrip("/"))
         self.name = slug(self.project)

@@ -127,6 +127,15 @@ def leading_env(command: str) -> dict[str, str]:
 
 
 SIGXCPU_EXIT = 128 + signal.SIGXCPU  # the shell's exit code for a process killed by its CPU-time limit
+# A run under a CPU limit still going after this many times that limit in wall time is asleep (a
+# deadlocked thread, a wait that never ends), not working: the same hang, stopped without waiting
+# out the task's whole timeout (a threaded more-itertools mutant held a worker 300 s).
+WALL_PER_CPU = 3
+
+
+def hang_wall(timeout_s: float, cpu_s: float | None) -> float:
+    """The wall timeout of a run with per-process CPU limit `cpu_s` (none: `timeout_s` itself)."""
+    return min(timeout_s, WALL_PER_CPU * cpu_s) if cpu_s else timeout_s
 
 
 def run_tests(sandbox, command: str, timeout_s: float, ids: list[str] | None = None,

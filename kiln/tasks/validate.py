@@ -11,7 +11,7 @@ from kiln.sandbox import Snapshot, create
 
 from .patch import PatchError, apply_patch
 from .record import Task
-from .testrun import TestRun, run_tests
+from .testrun import TestRun, hang_wall, run_tests
 
 
 @dataclass
@@ -60,7 +60,8 @@ def validate(task: Task, sandbox_cfg, snapshot: Snapshot | None = None, runs_aft
     test whose result changes is flaky); derive F2P and P2P. runs_after=0 is for a caller that
     grades the gold change itself (SFT data keeps only the oracle's solved rollouts): F2P is then
     what fails before, P2P what passes. Without a `snapshot` the task's repo is imported for this
-    run and dropped afterwards. `cpu_s`: each test process's CPU-time limit (run_tests).
+    run and dropped afterwards. `cpu_s`: each test process's CPU-time limit (run_tests); a run
+    asleep past a few times it is a hang too (testrun.hang_wall).
 
     `base_run`: a generator's baseline run of its base tree (two runs alike: flakiness is checked
     there), which these tests need not repeat. Alone it says the gold patch turns the task's tree
@@ -84,7 +85,7 @@ def _run(task: Task, gold: str, base: Snapshot, sandbox_cfg, runs_after: int, cp
          base_run: TestRun | None, only: list[str] | None) -> Validation:
     with create(base, task.sandbox_config(sandbox_cfg)) as sb:
         write_hidden_tests(sb, task)
-        before = run_tests(sb, task.test_command, task.timeout_s, only, cpu_s=cpu_s)
+        before = run_tests(sb, task.test_command, hang_wall(task.timeout_s, cpu_s), only, cpu_s=cpu_s)
         if before.timed_out:
             return Validation(False, "tests time out before the gold patch")
         if base_run is not None and only is None:
@@ -101,7 +102,7 @@ def _run(task: Task, gold: str, base: Snapshot, sandbox_cfg, runs_after: int, cp
             apply_patch_in(sb, gold)
         except (PatchError, OSError) as e:
             return Validation(False, f"gold patch does not apply: {e}")
-        after = [run_tests(sb, task.test_command, task.timeout_s, cpu_s=cpu_s) for _ in range(runs_after)]
+        after = [run_tests(sb, task.test_command, hang_wall(task.timeout_s, cpu_s), cpu_s=cpu_s) for _ in range(runs_after)]
     return judge(before, after)
 
 

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import time
 
 import pytest
 
@@ -104,6 +105,19 @@ def test_a_busy_loop_is_stopped_by_cpu_time_not_the_wall_timeout(tmp_path, tcfg)
         sb.write("tests/test_spin.py", "def test_quick():\n    assert True\n")
         ok = run_tests(sb, task.test_command, 60.0, ["tests/test_spin.py"], cpu_s=1)
         assert not ok.timed_out and ok.statuses == {"tests/test_spin.py::test_quick": "PASSED"}
+
+
+def test_a_sleeping_hang_is_stopped_at_a_few_times_the_cpu_limit(tmp_path, tcfg):
+    """A test that waits forever uses no CPU: under a CPU limit the wall stops it at WALL_PER_CPU
+    times that limit, not after the task's whole timeout."""
+    gold = make_task(tmp_path).solution
+    task = save_task(Task(id="calc-3", prompt="add is wrong", timeout_s=600.0), str(tmp_path / "suite"),
+                     repo_src=str(tmp_path / "src"), solution=gold,
+                     hidden={"tests/test_calc.py": TESTS, "tests/test_wait.py": "import time\n\n\n"
+                             "def test_wait():\n    time.sleep(600)\n"})
+    t0 = time.monotonic()
+    assert validate(task, tcfg, cpu_s=1).reason == "tests time out before the gold patch"
+    assert time.monotonic() - t0 < 30
 
 
 def test_validate_rejects_bad_tasks(tmp_path, tcfg):
