@@ -85,7 +85,8 @@ def _run(task: Task, gold: str, base: Snapshot, sandbox_cfg, runs_after: int, cp
          base_run: TestRun | None, only: list[str] | None) -> Validation:
     with create(base, task.sandbox_config(sandbox_cfg)) as sb:
         write_hidden_tests(sb, task)
-        before = run_tests(sb, task.test_command, hang_wall(task.timeout_s, cpu_s), only, cpu_s=cpu_s)
+        wall = hang_wall(task.timeout_s, cpu_s)
+        before = run_tests(sb, task.test_command, wall, only, cpu_s=cpu_s)
         if before.timed_out:
             return Validation(False, "tests time out before the gold patch")
         if base_run is not None and only is None:
@@ -102,7 +103,7 @@ def _run(task: Task, gold: str, base: Snapshot, sandbox_cfg, runs_after: int, cp
             apply_patch_in(sb, gold)
         except (PatchError, OSError) as e:
             return Validation(False, f"gold patch does not apply: {e}")
-        after = [run_tests(sb, task.test_command, hang_wall(task.timeout_s, cpu_s), cpu_s=cpu_s) for _ in range(runs_after)]
+        after = [run_tests(sb, task.test_command, wall, cpu_s=cpu_s) for _ in range(runs_after)]
     return judge(before, after)
 
 
