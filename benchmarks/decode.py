@@ -4,7 +4,8 @@
    `Qwen3MoeForCausalLM`), greedy, tokens/s at batch 1 and batch 8 (kiln's native C step,
    engine/native.c: at batch 8 one call for all rows, each weight read once);
 2. speculative decoding with a self-distilled MTP head against kiln's own plain decoding:
-   identical greedy outputs?, mean accepted drafts per step, speedup;
+   identical greedy outputs?, mean accepted drafts per step, speedup; drafts from the engine's
+   default draft vocabulary (the MTP's most frequent training tokens) and from the whole one;
 3. acceptance of the self-distilled head against a head trained on hard next-token labels for the
    same number of steps from the same initialisation;
 4. the bf16 sampler (engine.dtype = "bfloat16": bf16 weight matrices, fp32 activations) against
@@ -16,14 +17,15 @@ meaningless). Prompts come from a package held out of training.
 
     .venv/bin/python benchmarks/decode.py [--depth 4] [--train-steps 300] [--mtp-steps 200]
 
-About 15 minutes on 2 cores (training is most of it); the timed decoding runs take the median
-of three. `--checkpoint DIR` decodes a trained checkpoint instead (e.g. the committed base,
-bases/tiny: the tiny preset's shape, trained on code) with its tokenizer, skipping the training
-and parts 2 and 3.
+About 12 minutes on 2 cores (training is most of it); the timed arms of each comparison run in
+turn five times, and each takes its median. `--checkpoint DIR` decodes a trained checkpoint
+instead (e.g. the committed base, bases/tiny: the tiny preset's shape, trained on code) with its
+tokenizer, skipping the training and part 3, and part 2 too unless the checkpoint has an MTP
+module (mtp.safetensors, e.g. a pretraining run's).
 
 Last line: `name=value` pairs including speedup_vs_hf_b1, speedup_vs_hf_b8, greedy_identical,
-spec_mean_accepted, spec_speedup, selfdistill_acceptance, hardlabel_acceptance, bf16_speedup_b1,
-bf16_speedup_b8.
+spec_mean_accepted, spec_speedup, spec_full_vocab_speedup, selfdistill_acceptance,
+hardlabel_acceptance, bf16_speedup_b1, bf16_speedup_b8.
 """
 from __future__ import annotations
 
@@ -39,6 +41,7 @@ import torch
 
 from kiln.config import ModelSection, project_path
 from kiln.engine import Engine, SamplingParams
+from kiln.engine.engine import DRAFT_SHARE
 from kiln.model.checkpoint import load_checkpoint, save_checkpoint
 from kiln.model.config import ModelConfig
 from kiln.model.moe import MoeForCausalLM
@@ -103,13 +106,16 @@ def train_mtp(model, mtp, data, steps: int, mode: str, device: str) -> float:
     return float(loss.detach())
 
 
-def timed(fn, repeats: int = 3) -> tuple[float, object]:
-    times, out = [], None
+def timed(*fns, repeats: int = 5) -> list[tuple[float, object]]:
+    """(median seconds, last output) of each fn, run in turn `repeats` times: interleaved, so a
+    drift in the machine's speed (this VM's swings by a fifth between minutes) hits every arm alike."""
+    times, outs = [[] for _ in fns], [None] * len(fns)
     for _ in range(repeats):
-        t = time.perf_counter()
-        out = fn()
-        times.append(time.perf_counter() - t)
-    return statistics.median(times), out
+        for i, fn in enumerate(fns):
+            t = time.perf_counter()
+            outs[i] = fn()
+            times[i].append(time.perf_counter() - t)
+    return [(statistics.median(ts), out) for ts, out in zip(times, outs)]
 
 
 def main() -> None:
@@ -127,8 +133,8 @@ def main() -> None:
     dev = args.device
     if args.checkpoint:
         ckpt = project_path(args.checkpoint)
-        model, _ = load_checkpoint(ckpt, device=dev, with_mtp=False)
-        decode(args, load_tokenizer(ckpt), model.eval(), None, None, ckpt)
+        model, mtp = load_checkpoint(ckpt, device=dev)
+        decode(args, load_tokenizer(ckpt), model.eval(), mtp, None, ckpt)
         return
     tmp = Path(tempfile.mkdtemp(prefix="kiln-decode-"))
 
@@ -165,8 +171,9 @@ def decode(args, tok, model, mtp_sd, mtp_hl, ckpt: Path) -> None:
             return hf.generate(torch.tensor(ps, device=dev), max_new_tokens=n, min_new_tokens=n, do_sample=False,
                                pad_token_id=tok.pad_id)[:, len(ps[0]):].tolist()
 
-    def kiln_generate(ps, mtp=None, batch=None, weights=model, dtype=torch.float32):
-        engine = Engine(weights, mtp=mtp, max_batch=batch or len(ps), max_len=64 + n + 8, weight_dtype=dtype)
+    def kiln_generate(ps, mtp=None, batch=None, weights=model, dtype=torch.float32, draft_vocab=None):
+        engine = Engine(weights, mtp=mtp, max_batch=batch or len(ps), max_len=64 + n + 8, weight_dtype=dtype,
+                        draft_vocab=draft_vocab)
         outs = engine.generate(ps, greedy)
         return [o.token_ids for o in outs], engine.spec_stats
 
@@ -174,8 +181,7 @@ def decode(args, tok, model, mtp_sd, mtp_hl, ckpt: Path) -> None:
     for b in (1, 8):
         ps = prompts[:b]
         hf_generate(ps), kiln_generate(ps)  # warm up
-        hf_s, hf_out = timed(lambda ps=ps: hf_generate(ps))
-        k_s, (k_out, _) = timed(lambda ps=ps: kiln_generate(ps))
+        (hf_s, hf_out), (k_s, (k_out, _)) = timed(lambda ps=ps: hf_generate(ps), lambda ps=ps: kiln_generate(ps))
         r[f"hf_tokens_per_s_b{b}"] = b * n / hf_s
         r[f"kiln_tokens_per_s_b{b}"] = b * n / k_s
         r[f"speedup_vs_hf_b{b}"] = hf_s / k_s
@@ -187,8 +193,8 @@ def decode(args, tok, model, mtp_sd, mtp_hl, ckpt: Path) -> None:
     for b in (1, 8):
         ps = prompts[:b]
         kiln_generate(ps, weights=rounded, dtype=torch.bfloat16)  # warm up
-        f_s, (f_out, _) = timed(lambda ps=ps: kiln_generate(ps))
-        b_s, (b_out, _) = timed(lambda ps=ps: kiln_generate(ps, weights=rounded, dtype=torch.bfloat16))
+        (f_s, (f_out, _)), (b_s, (b_out, _)) = timed(
+            lambda ps=ps: kiln_generate(ps), lambda ps=ps: kiln_generate(ps, weights=rounded, dtype=torch.bfloat16))
         same = sum(len(_common_prefix(x, y)) for x, y in zip(f_out, b_out)) / (b * n)
         r[f"kiln_bf16_tokens_per_s_b{b}"] = b * n / b_s
         r[f"bf16_speedup_b{b}"] = f_s / b_s
@@ -200,21 +206,31 @@ def decode(args, tok, model, mtp_sd, mtp_hl, ckpt: Path) -> None:
     if mtp_sd is None:
         print(" ".join(f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}" for k, v in r.items()))
         return
-    plain_s, (plain, _) = timed(lambda: kiln_generate(prompts[:1]))
-    spec_s, (spec, _stats) = timed(lambda: kiln_generate(prompts[:1], mtp_sd))
+    (plain_s, (plain, _)), (spec_s, (spec, _)), (full_s, (full, _)) = timed(
+        lambda: kiln_generate(prompts[:1]), lambda: kiln_generate(prompts[:1], mtp_sd),
+        lambda: kiln_generate(prompts[:1], mtp_sd, draft_vocab=0))
     all_plain, _ = kiln_generate(prompts, batch=1)
     all_spec, sd_stats = kiln_generate(prompts, mtp_sd, batch=1)
-    _, hl_stats = kiln_generate(prompts, mtp_hl, batch=1)
-    r["greedy_identical"] = all_plain == all_spec and plain == spec
+    all_full, full_stats = kiln_generate(prompts, mtp_sd, batch=1, draft_vocab=0)
+    _, hl_stats = kiln_generate(prompts, mtp_hl, batch=1, draft_vocab=0) if mtp_hl is not None else (None, None)
+    r["greedy_identical"] = all_plain == all_spec == all_full and plain == spec == full
+    drafts = mtp_sd.draft_ids(model.config.vocab_size // DRAFT_SHARE)  # the engine's default
+    r["spec_draft_vocab"] = len(drafts) if drafts is not None else model.config.vocab_size
     r["spec_mean_accepted"] = sd_stats.mean_accepted
     r["spec_tokens_per_step"] = 1 + sd_stats.mean_accepted
     r["spec_speedup"] = plain_s / spec_s
+    r["spec_full_vocab_mean_accepted"] = full_stats.mean_accepted
+    r["spec_full_vocab_speedup"] = plain_s / full_s
+    print(f"speculative, batch 1: drafts from {r['spec_draft_vocab']} tokens x{plain_s / spec_s:.2f} "
+          f"({sd_stats.mean_accepted:.2f} accepted a step); from the whole vocabulary x{plain_s / full_s:.2f} "
+          f"({full_stats.mean_accepted:.2f})", flush=True)
     r["selfdistill_acceptance"] = sd_stats.acceptance[0]
-    r["hardlabel_acceptance"] = hl_stats.acceptance[0]
-    r["selfdistill_mean_accepted"], r["hardlabel_mean_accepted"] = sd_stats.mean_accepted, hl_stats.mean_accepted
-    print("acceptance per draft position: self-distilled " + " ".join(f"{a:.3f}" for a in sd_stats.acceptance)
-          + ", hard labels " + " ".join(f"{a:.3f}" for a in hl_stats.acceptance))
-    r.update(mtp_depth=args.mtp_depth)
+    r["selfdistill_mean_accepted"] = sd_stats.mean_accepted
+    print("acceptance per draft position: self-distilled " + " ".join(f"{a:.3f}" for a in sd_stats.acceptance))
+    if hl_stats is not None:
+        r["hardlabel_acceptance"], r["hardlabel_mean_accepted"] = hl_stats.acceptance[0], hl_stats.mean_accepted
+        print("acceptance per draft position: hard labels " + " ".join(f"{a:.3f}" for a in hl_stats.acceptance))
+    r.update(mtp_depth=mtp_sd.depth)
     print(" ".join(f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}" for k, v in r.items()))
 
 

@@ -110,8 +110,9 @@ class HarnessConfig(Section):
 class PolicyConfig(Section):
     kind: Literal["openai", "oracle", "scripted", "local"] = "openai"
     checkpoint: str = ""  # local: a kiln checkpoint directory (model, MTP drafter, tokenizer)
-    # local: draft with the checkpoint's MTP (speculative decoding). Off by default: on a CPU the
-    # drafter costs more than it saves (0.45x plain decoding) and it rules out prefix reuse across turns.
+    # local: draft with the checkpoint's MTP (speculative decoding). Off by default: on agent turns the
+    # drafter costs more than it saves (0.68x plain decoding: each turn it reads its whole prompt again,
+    # having no prefix reuse yet), though it saves on long generations (~1.3x, benchmarks/decode.py).
     speculative: bool = False
     base_url: str = "http://127.0.0.1:8000/v1"  # any OpenAI-compatible chat-completions endpoint
     model: str = "kiln"

@@ -43,6 +43,7 @@ def make_tiny_checkpoint(out: Path, seed: int = 0) -> Path:
     tok_dir = out / "tokenizer"
     tok = train_tokenizer(list_corpus_files([STDLIB / "json"]), tok_dir, vocab_size=512, max_bytes=1_000_000).tokenizer
     model, mtp = tiny_model(seed, vocab_size=tok.vocab_size)
+    mtp.token_counts.copy_(torch.arange(tok.vocab_size) % 7)  # as if trained: counts for the drafter's vocabulary
     model.config.eos_token_id, model.config.pad_token_id = tok.eos_id, tok.pad_id
     return save_checkpoint(model, out / "ckpt", mtp=mtp, tokenizer_dir=tok_dir)
 

@@ -42,6 +42,10 @@ from kiln.engine.speculative import SpecStats, draft, spec_step
 # Up to this many sequences decode in one native.c call (each weight streamed once for all of them);
 # more share torch's batched matmuls.
 NATIVE_MAX_BATCH = 64
+# Prefills up to this many tokens go through native.c, MAX_TOKENS a call: faster than torch's up
+# to ~128 new tokens (docs: "Engine"); longer ones are matrix-matrix work, where torch wins.
+NATIVE_PREFILL = 128
+DRAFT_SHARE = 8  # the MTP drafter proposes from its 1/8 most frequent training tokens (docs: "Speculative decoding")
 log = logging.getLogger(__name__)
 
 
@@ -91,8 +95,11 @@ class Request:
 class Engine:
     def __init__(self, model, tokenizer=None, mtp=None, max_batch: int = 8, max_len: int | None = None,
                  version: int = 0, capture_routes: bool = True, native: bool = True, prefix_slots: int = 0,
-                 weight_dtype: torch.dtype = torch.float32):
+                 weight_dtype: torch.dtype = torch.float32, draft_vocab: int | None = None):
         """prefix_slots: finished sequences kept for prefix reuse (prefix.py); 0 = none.
+        draft_vocab: the MTP drafter proposes only the draft_vocab tokens it saw most in training
+        (its head reads that many rows); default an eighth of the vocabulary, 0 = all of it. The
+        output never depends on it, only the share of drafts accepted.
         weight_dtype bfloat16 (an fp32 model): a bf16 sampler. The model's (and MTP's) parameters are
         rounded to bf16 in place, here and at every weight update; the native step reads bf16 copies
         of the weight matrices, torch (prefills) the rounded fp32 values, activations stay fp32."""
@@ -123,7 +130,11 @@ class Engine:
             log.warning("kiln: the native decoding step does not cover %s models; this engine decodes through torch",
                         cfg.model_type)
         lib = library() if native and self.device.type == "cpu" and supported(model, mtp) else None
-        self.native = NativeTrunk(model, lib, self.max_len, mtp, weight_dtype) if lib is not None else None
+        if draft_vocab is None:
+            draft_vocab = cfg.vocab_size // DRAFT_SHARE
+        self.draft_ids = mtp.draft_ids(draft_vocab) if mtp is not None else None
+        self._draft_list = self.draft_ids.tolist() if self.draft_ids is not None else None
+        self.native = NativeTrunk(model, lib, self.max_len, mtp, weight_dtype, self.draft_ids) if lib is not None else None
         self.running: list[Request] = []
         self.waiting: queue.Queue[Request] = queue.Queue()
         self._pending: tuple | None = None
@@ -257,8 +268,11 @@ class Engine:
 
     def forward(self, start: int, ids: torch.Tensor, positions: torch.Tensor, reqs: list[Request]):
         """The main trunk over slots start.. with the cache -> hidden states [B, T, D]."""
-        if self.native is not None and ids.shape[0] <= NATIVE_MAX_BATCH and ids.shape[1] <= MAX_TOKENS:
-            hidden, routes = self.native(ids, positions, self.cache, start)
+        if self.native is not None and ids.shape[0] <= NATIVE_MAX_BATCH and ids.shape[1] <= NATIVE_PREFILL:
+            parts = [self.native(ids[:, c:c + MAX_TOKENS], positions[:, c:c + MAX_TOKENS], self.cache, start)
+                     for c in range(0, ids.shape[1], MAX_TOKENS)]
+            hidden, routes = parts[0] if len(parts) == 1 else (
+                torch.cat([h for h, _ in parts], 1), None if parts[0][1] is None else torch.cat([r for _, r in parts], 1))
         elif self.fast is not None:
             self.cache.begin(start, positions)
             hidden, routes = self.fast(ids, positions, self.cache)
@@ -279,6 +293,10 @@ class Engine:
         for i, r in enumerate(rs):
             r.length += 1
             self.emit(r, [self.sample(r, logits[i])], fed=1)
+
+    def draft_tokens(self, columns: list[int]) -> list[int]:
+        """The token ids of columns of the drafter's logits (its vocabulary's)."""
+        return [self._draft_list[c] for c in columns]
 
     def head(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits of hidden states (the native head where the native step runs)."""

@@ -552,8 +552,10 @@ typedef struct {
 
 /* Decoder layer l over the batch's N = B x T tokens, in place on hidden [N, D]. routes (may be
  * NULL): the chosen experts of token n at routes[n * route_stride + j]. */
+/* need: NULL, or per token whether its output is used; a MoE layer skips the feed-forward of the
+ * others (the drafter's last layer: its cache entries are all it keeps of them). */
 static void block(const Model *m, int l, float *hidden, const Batch *bt, int32_t *routes, int route_stride,
-                  float *scratch) {
+                  float *scratch, const uint8_t *need) {
     const int D = m->dim, H = m->n_heads, KV = m->n_kv_heads, hd = m->head_dim, E = m->n_experts, K = m->top_k;
     const int Q = H * hd, KVD = KV * hd, B = bt->B, T = bt->T, N = B * T, half = hd / 2;
     const Layout s = layout(m, B, T);
@@ -609,6 +611,10 @@ static void block(const Model *m, int l, float *hidden, const Batch *bt, int32_t
     int32_t *chosen = (int32_t *)(scratch + s.route), *slots = (int32_t *)(scratch + s.route + 2 * (int64_t)N * K);
     matmul(m, m->router[l], h, D, probs, E, E, D, N);
     for (int n = 0; n < N; n++) {
+        if (need && !need[n]) {  /* routed nowhere: no expert reads it */
+            for (int j = 0; j < K; j++) chosen[(int64_t)n * K + j] = -1, weight[(int64_t)n * K + j] = 0.f;
+            continue;
+        }
         float *p = probs + (int64_t)n * E, mx = -INFINITY, sum = 0.f;
         for (int e = 0; e < E; e++) if (p[e] > mx) mx = p[e];
         for (int e = 0; e < E; e++) sum += (p[e] = expf(p[e] - mx));
@@ -640,6 +646,7 @@ static void block(const Model *m, int l, float *hidden, const Batch *bt, int32_t
         for (int c = 0; c < cnt; c++) memcpy(y + (int64_t)slots[c] * D, xg + (int64_t)c * D, D * sizeof(float));
     }
     for (int n = 0; n < N; n++) {
+        if (need && !need[n]) continue;
         float wsum = 0.f, *out = hidden + (int64_t)n * D;
         for (int j = 0; j < K; j++) wsum += weight[(int64_t)n * K + j];
         for (int j = 0; j < K; j++) {
@@ -680,16 +687,16 @@ void kiln_trunk(const Model *m, int B, int T, const int64_t *ids, const int32_t 
         int moe = m->router[l] != NULL;
         bt.kc = k_cache + l * layer_stride;
         bt.vc = v_cache + l * layer_stride;
-        block(m, l, hidden, &bt, moe ? routes + moe_i * K : NULL, n_moe * K, scratch);
+        block(m, l, hidden, &bt, moe ? routes + moe_i * K : NULL, n_moe * K, scratch, NULL);
         moe_i += moe;
     }
 }
 
 /* MTP layer l (kiln/model/mtp.py): out [B*T, D] = block_l(eh_proj(cat(hnorm(h_in), enorm(embed(ids))))),
- * with the layer's own cache (as kiln_trunk's arguments). */
+ * with the layer's own cache (as kiln_trunk's arguments); need as block's (rows left out are not outputs). */
 void kiln_mtp_layer(const Model *m, int l, int B, int T, const float *h_in, const int64_t *ids, const int32_t *pos0,
                     float *k_cache, float *v_cache, int64_t slot_stride, int64_t layer_stride, int max_len, float *out,
-                    float *scratch) {
+                    float *scratch, const uint8_t *need) {
     const int D = m->dim, N = B * T;
     const Layout s = layout(m, B, T);
     float *cat = scratch + s.cat;
@@ -702,11 +709,13 @@ void kiln_mtp_layer(const Model *m, int l, int B, int T, const float *h_in, cons
     matmul(m, m->eh_proj[l], cat, 2 * D, out, D, D, 2 * D, N);
     Batch bt = {B, T, max_len, pos0, k_cache + l * layer_stride, v_cache + l * layer_stride, slot_stride};
     rope_tables(m, &bt, scratch + s.rope);
-    block(m, l, out, &bt, NULL, 0, scratch);
+    block(m, l, out, &bt, NULL, 0, scratch, need);
 }
 
-/* logits [N, V] = head(norm(hidden [N, D])), norm the final norm's weight (or an MTP layer's). */
-void kiln_head(const Model *m, const float *norm, const float *hidden, int N, int vocab, float *logits, float *scratch) {
+/* logits [N, V] = head(norm(hidden [N, D])), norm the final norm's weight (or an MTP layer's), head
+ * the model's output head, or w (V rows of it, e.g. the drafter's most frequent tokens) when given. */
+void kiln_head(const Model *m, const float *norm, const void *w, const float *hidden, int N, int vocab, float *logits,
+               float *scratch) {
     for (int n = 0; n < N; n++) rms_norm(hidden + (int64_t)n * m->dim, norm, scratch + (int64_t)n * m->dim, m->dim, m->eps);
-    matmul(m, m->head, scratch, m->dim, logits, vocab, vocab, m->dim, N);
+    matmul(m, w ? w : m->head, scratch, m->dim, logits, vocab, vocab, m->dim, N);
 }

@@ -93,9 +93,9 @@ def build(flags: list[str] = FLAGS) -> ctypes.CDLL | None:
     lib.kiln_trunk.restype = None
     lib.kiln_trunk.argtypes = [ctypes.POINTER(_Model), i32, i32, vp, vp, vp, vp, i64, i64, i32, vp, vp, vp]
     lib.kiln_mtp_layer.restype = None
-    lib.kiln_mtp_layer.argtypes = [ctypes.POINTER(_Model), i32, i32, i32, vp, vp, vp, vp, vp, i64, i64, i32, vp, vp]
+    lib.kiln_mtp_layer.argtypes = [ctypes.POINTER(_Model), i32, i32, i32, vp, vp, vp, vp, vp, i64, i64, i32, vp, vp, vp]
     lib.kiln_head.restype = None
-    lib.kiln_head.argtypes = [ctypes.POINTER(_Model), vp, vp, i32, i32, vp, vp]
+    lib.kiln_head.argtypes = [ctypes.POINTER(_Model), vp, vp, vp, i32, i32, vp, vp]
     return lib
 
 
@@ -181,10 +181,12 @@ class NativeTrunk:
     `dtype` bfloat16: the weight matrices are read from bf16 copies of the model's parameters,
     made by `refresh` (`held`, by parameter); everything else stays fp32."""
 
-    def __init__(self, model, lib: ctypes.CDLL, max_len: int, mtp=None, dtype: torch.dtype = torch.float32):
+    def __init__(self, model, lib: ctypes.CDLL, max_len: int, mtp=None, dtype: torch.dtype = torch.float32,
+                 draft_ids: torch.Tensor | None = None):
         if dtype not in DTYPES:
             raise ValueError(f"the native step reads float32 or bfloat16 weights, not {dtype}")
         self.model, self.mtp, self.lib, self.max_len, self.dtype = model, mtp, lib, max_len, dtype
+        self.draft_ids = draft_ids  # the drafter's vocabulary (head rows), None = all
         self._scratch = torch.empty(0)
         self.refresh()
 
@@ -195,10 +197,17 @@ class NativeTrunk:
         self.held: dict[int, torch.Tensor] = {}  # bf16: parameter data_ptr -> its copy (tied ones share it)
         layers = self.model.model.layers
         self.struct = _struct(self.model, layers, self.max_len, self._keep, self._weight)
+        self.ref = ctypes.byref(self.struct)  # what each call passes; built once (a call's overhead counts here)
+        self.dim, self.vocab = self.model.config.hidden_size, self.model.config.vocab_size
+        self.final_norm = self.model.model.norm.weight
         self.n_moe = sum(isinstance(layer.mlp, MoeBlock) for layer in layers)
+        # The drafter's head rows, contiguous (and in the sampler's dtype), copied again at every refresh.
+        self.draft_head = None if self.draft_ids is None else \
+            self.model.lm_head.weight.detach()[self.draft_ids].to(self.dtype).contiguous()
         self.mtp_struct = None if self.mtp is None else _struct(
             self.model, [ml.block for ml in self.mtp.layers], self.max_len, self._keep, self._weight,
             list(self.mtp.layers))
+        self.mtp_ref = None if self.mtp is None else ctypes.byref(self.mtp_struct)
 
     def _weight(self, t: torch.Tensor) -> torch.Tensor:
         if self.dtype == torch.float32:
@@ -210,7 +219,7 @@ class NativeTrunk:
 
     def scratch(self, b: int, t: int) -> int:
         """The address of scratch memory for a call over b sequences of t tokens (grown as needed)."""
-        n = self.lib.kiln_scratch_floats(ctypes.byref(self.struct), b, t)
+        n = self.lib.kiln_scratch_floats(self.ref, b, t)
         if self._scratch.numel() < n:
             self._scratch = torch.empty(n)
         return self._scratch.data_ptr()
@@ -219,8 +228,9 @@ class NativeTrunk:
         """The first position of each row, int32 (each row's positions are consecutive)."""
         b, t = positions.shape
         pos0 = positions[:, 0].to(torch.int32).contiguous()
-        end = int(pos0.max()) + t if b else 0
-        if t > MAX_TOKENS or end > min(cache.max_len, self.max_len) or int(pos0.min()) < 0 \
+        lo, hi = (int(x) for x in torch.aminmax(pos0)) if b else (0, -t)
+        end = hi + t
+        if t > MAX_TOKENS or end > min(cache.max_len, self.max_len) or lo < 0 \
                 or not (0 <= slot and slot + b <= cache.slots):
             raise ValueError(f"positions up to {end - 1} of slots {slot}..{slot + b - 1} are outside the cache "
                              f"({cache.slots} slots of {cache.max_len} positions) or over {MAX_TOKENS} tokens")
@@ -237,34 +247,38 @@ class NativeTrunk:
         hidden = torch.empty(b, t, cfg.hidden_size)
         routes = torch.empty(b, t, max(self.n_moe, 1), cfg.num_experts_per_tok, dtype=torch.int32)
         k, v = cache.k[0, slot], cache.v[0, slot]
-        self.lib.kiln_trunk(ctypes.byref(self.struct), b, t, ids64.data_ptr(), pos0.data_ptr(), k.data_ptr(),
+        self.lib.kiln_trunk(self.ref, b, t, ids64.data_ptr(), pos0.data_ptr(), k.data_ptr(),
                             v.data_ptr(), cache.k.stride(1), cache.k.stride(0), cache.max_len, hidden.data_ptr(),
                             routes.data_ptr(), self.scratch(b, t))
         return hidden, (routes if self.n_moe else None)
 
     def mtp_layer(self, k: int, hidden: torch.Tensor, ids: torch.Tensor, positions: torch.Tensor, cache,
-                  slot: int) -> torch.Tensor:
+                  slot: int, need: torch.Tensor | None = None) -> torch.Tensor:
         """MTP layer k (0-based) over hidden [B, T, D] and the next tokens' ids [B, T] at `positions`
-        [B, T] of slots slot.. in the MTP cache -> its output [B, T, D]."""
+        [B, T] of slots slot.. in the MTP cache -> its output [B, T, D]. With `need` ([B, T] bool),
+        a MoE layer's feed-forward runs only where it is true: elsewhere only the cache entries are
+        right, not the output (the drafter's last layer feeds only its drafting positions on)."""
         b, t = ids.shape
         pos0 = self._check(positions, cache, slot)
         h_in = hidden.contiguous()
         ids64 = ids.reshape(-1).to(torch.int64).contiguous()
+        flags = None if need is None else need.to(torch.uint8).contiguous()  # held until the call returns
         out = torch.empty_like(h_in)
-        self.lib.kiln_mtp_layer(ctypes.byref(self.mtp_struct), k, b, t, h_in.data_ptr(), ids64.data_ptr(),
+        self.lib.kiln_mtp_layer(self.mtp_ref, k, b, t, h_in.data_ptr(), ids64.data_ptr(),
                                 pos0.data_ptr(), cache.k[0, slot].data_ptr(), cache.v[0, slot].data_ptr(),
                                 cache.k.stride(1), cache.k.stride(0), cache.max_len, out.data_ptr(),
-                                self.scratch(b, t))
+                                self.scratch(b, t), None if need is None else flags.data_ptr())
         return out
 
-    def head(self, hidden: torch.Tensor, norm: torch.Tensor | None = None) -> torch.Tensor:
+    def head(self, hidden: torch.Tensor, norm: torch.Tensor | None = None, drafts: bool = False) -> torch.Tensor:
         """Logits [..., V] of hidden states [..., D]: `norm` (default the final norm's weight), then
-        the output head (each weight row read once for all rows)."""
-        cfg = self.model.config
-        flat = hidden.reshape(-1, cfg.hidden_size).contiguous()
-        logits = torch.empty(flat.shape[0], cfg.vocab_size)
-        scratch = torch.empty(flat.numel())
-        weight = self.model.model.norm.weight if norm is None else norm
-        self.lib.kiln_head(ctypes.byref(self.struct), weight.data_ptr(), flat.data_ptr(), flat.shape[0],
-                           cfg.vocab_size, logits.data_ptr(), scratch.data_ptr())
-        return logits.view(*hidden.shape[:-1], cfg.vocab_size)
+        the output head (each weight row read once for all rows); with `drafts`, only the drafter's
+        rows: [..., len(draft_ids)]."""
+        flat = hidden.reshape(-1, self.dim).contiguous()
+        w = self.draft_head if drafts else None
+        vocab = self.vocab if w is None else w.shape[0]
+        logits = torch.empty(flat.shape[0], vocab)
+        self.lib.kiln_head(self.ref, (self.final_norm if norm is None else norm).data_ptr(),
+                           None if w is None else w.data_ptr(), flat.data_ptr(), flat.shape[0], vocab,
+                           logits.data_ptr(), self.scratch(flat.shape[0], 1))
+        return logits.view(*hidden.shape[:-1], vocab)

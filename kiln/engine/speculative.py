@@ -20,7 +20,13 @@ from dataclasses import dataclass, field
 import torch
 
 from kiln.engine.native import MAX_TOKENS
-from kiln.engine.sampling import draw, policy_logprobs, sample_row, sampling_probs
+from kiln.engine.sampling import (
+    argmax,
+    draw,
+    policy_logprobs,
+    sample_row,
+    sampling_probs,
+)
 from kiln.model.layers import rope_tables
 
 
@@ -72,21 +78,20 @@ def verify(r, logits: torch.Tensor, depth: int) -> tuple[list[tuple[int, float]]
     """Accept a prefix of r.drafts against the main logits [D+1, V]; return the new tokens with
     their logprobs and the number of drafts accepted."""
     p_, new = r.params, []
+    if p_.greedy:  # the longest prefix of drafts equal to the argmax, then the argmax after it
+        best = argmax(logits)
+        a = next((j for j in range(depth) if best[j] != r.drafts[j]), depth)
+        toks = r.drafts[:a] + [best[a]]
+        # Row by row, as plain decoding scores its one row: one op over all rows ran ~3x slower
+        # in the engine, its two torch threads contending with native.c's helper thread.
+        return [(t, float(policy_logprobs(logits[j], 0)[t])) for j, t in enumerate(toks)], a
     lp = policy_logprobs(logits, p_.temperature)
     for j in range(depth):
         d = r.drafts[j]
-        if p_.greedy:
-            ok = int(logits[j].argmax()) == d
-        else:
-            p, q = sampling_probs(logits[j], p_), r.draft_probs[j]
-            ok = float(torch.rand((), generator=r.gen)) * float(q[d]) < float(p[d])
-        if not ok:
-            if p_.greedy:
-                y = int(logits[j].argmax())
-            else:
-                resid = (p - q).clamp(min=0)
-                y = draw(resid, r.gen) if resid.sum() > 0 \
-                    else sample_row(logits[j], p_, r.gen)
+        p, q = sampling_probs(logits[j], p_), r.draft_probs[j]
+        if not float(torch.rand((), generator=r.gen)) * float(q[d]) < float(p[d]):
+            resid = (p - q).clamp(min=0)
+            y = draw(resid, r.gen) if resid.sum() > 0 else sample_row(logits[j], p_, r.gen)
             return new + [(y, float(lp[j, y]))], j
         new.append((d, float(lp[j, d])))
     y = sample_row(logits[depth], p_, r.gen)
@@ -96,7 +101,7 @@ def verify(r, logits: torch.Tensor, depth: int) -> tuple[list[tuple[int, float]]
 def draft(engine, start: int, reqs, hidden: torch.Tensor, start_positions: list[int], n_valid: list[int]) -> None:
     """Run the MTP layers over the main trunk's `hidden` [B, T, D] (row b at positions
     start_positions[b] + 0..T-1, its first n_valid[b] valid) and set each request's drafts."""
-    mtp, model, dev = engine.mtp, engine.model, engine.device
+    mtp = engine.mtp
     # Layer k >= 2 wrote its entries at the last depth-1 positions from draft tokens; re-run those
     # positions (from the kept main hidden rows) now that their tokens are known.
     back = min([mtp.depth - 1] + start_positions)
@@ -104,36 +109,74 @@ def draft(engine, start: int, reqs, hidden: torch.Tensor, start_positions: list[
         hidden = torch.cat((torch.stack([r.mtp_tail[-back:] for r in reqs]), hidden), dim=1)
         start_positions = [s - back for s in start_positions]
         n_valid = [n + back for n in n_valid]
-    b, t, _ = hidden.shape
-    native = engine.native if t <= MAX_TOKENS and engine.native is not None else None
-    pos = torch.tensor(start_positions, device=dev)[:, None] + torch.arange(t, device=dev)
-    if native is None:
-        engine.mtp_cache.begin(start, pos)
-        rope = rope_tables(model.model.inv_freq(dev), pos, hidden.dtype)
-    last = torch.tensor(n_valid, device=dev) - 1
+    t = hidden.shape[1]
     seqs = [r.prompt_ids + r.tokens for r in reqs]
     for r in reqs:
         r.drafts, r.draft_probs = [], []
-    h = hidden
-    for k, layer in enumerate(mtp.layers, start=1):
-        ids = torch.tensor([[_token_at(seq, r.drafts, s + i + k) for i in range(t)]
-                            for seq, r, s in zip(seqs, reqs, start_positions)], device=dev)
-        if native is not None:  # native.c's MTP layer and head, every sequence in one call
-            h = native.mtp_layer(k - 1, h, ids, pos, engine.mtp_cache, start)
-            logits = native.head(h[torch.arange(b, device=dev), last], norm=layer.norm.weight)
-        else:
-            h = layer(h, mtp.embed(model, ids), rope, cache=engine.mtp_cache)
-            logits = mtp.logits(model, k - 1, h[torch.arange(b, device=dev), last]).float().cpu()
-        for i, r in enumerate(reqs):
-            if r.params.greedy:
-                r.drafts.append(int(logits[i].argmax()))
-                r.draft_probs.append(None)
-            else:
-                q = sampling_probs(logits[i], r.params)
-                r.drafts.append(draw(q, r.gen))
-                r.draft_probs.append(q)
+    last = [n - 1 for n in n_valid]
+    # native.c takes MAX_TOKENS positions a call: a longer run (a prompt) first fills the MTP
+    # cache over its leading positions, then drafts from the rest. Layer k at position p reads
+    # token p + k, known up to each row's last valid position + 1, so every row must reach past
+    # the leading positions by depth - 2 (a prompt does); otherwise torch takes the whole run.
+    lead = max(t - MAX_TOKENS, 0)
+    if engine.native is None or (lead and min(last) + 2 - mtp.depth < lead):
+        _torch_layers(engine, start, reqs, hidden, start_positions, seqs, last)
+    else:
+        for c0 in range(0, lead, MAX_TOKENS):
+            _native_layers(engine, start, reqs, hidden[:, c0:min(lead, c0 + MAX_TOKENS)],
+                           [s + c0 for s in start_positions], seqs, None)
+        _native_layers(engine, start, reqs, hidden[:, lead:], [s + lead for s in start_positions], seqs,
+                       [x - lead for x in last])
     for i, r in enumerate(reqs):
         r.mtp_tail = hidden[i, max(0, n_valid[i] - (mtp.depth - 1)):n_valid[i]] if mtp.depth > 1 else None
+
+
+def _native_layers(engine, start: int, reqs, h: torch.Tensor, starts: list[int], seqs, last: list[int] | None):
+    """native.c's MTP layers over h [B, T <= MAX_TOKENS, D] at positions starts[b] + 0..T-1, every
+    sequence in one call a layer; with `last` (each row's position in h to draft from), the drafts."""
+    b, t, _ = h.shape
+    pos = torch.tensor([[s + i for i in range(t)] for s in starts])
+    # The last layer's outputs feed only the drafting positions' heads: elsewhere it only writes the cache.
+    need = torch.tensor([[i == x for i in range(t)] for x in (last or [-1] * b)], dtype=torch.uint8)
+    depth = engine.mtp.depth
+    for k, layer in enumerate(engine.mtp.layers, start=1):
+        ids = torch.tensor([[_token_at(seq, r.drafts, s + i + k) for i in range(t)]
+                            for seq, r, s in zip(seqs, reqs, starts)])
+        h = engine.native.mtp_layer(k - 1, h, ids, pos, engine.mtp_cache, start, need if k == depth else None)
+        if last is not None:
+            at = h[0, last[0]][None] if b == 1 else h[torch.arange(b), torch.tensor(last)]
+            _propose(engine, reqs, engine.native.head(at, norm=layer.norm.weight, drafts=engine.draft_ids is not None))
+
+
+def _torch_layers(engine, start: int, reqs, h: torch.Tensor, starts: list[int], seqs, last: list[int]):
+    """The MTP layers through torch (no native step, or a run native.c does not take)."""
+    mtp, model, dev = engine.mtp, engine.model, engine.device
+    b, t, _ = h.shape
+    pos = torch.tensor(starts, device=dev)[:, None] + torch.arange(t, device=dev)
+    engine.mtp_cache.begin(start, pos)
+    rope = rope_tables(model.model.inv_freq(dev), pos, h.dtype)
+    for k, layer in enumerate(mtp.layers, start=1):
+        ids = torch.tensor([[_token_at(seq, r.drafts, s + i + k) for i in range(t)]
+                            for seq, r, s in zip(seqs, reqs, starts)], device=dev)
+        h = layer(h, mtp.embed(model, ids), rope, cache=engine.mtp_cache)
+        at = h[torch.arange(b, device=dev), torch.tensor(last, device=dev)]
+        _propose(engine, reqs, mtp.logits(model, k - 1, at, rows=engine.draft_ids).float().cpu())
+
+
+def _propose(engine, reqs, logits: torch.Tensor) -> None:
+    """Append each request's next draft from its row of the drafter's logits [B, V or draft vocab]."""
+    rows = engine.draft_ids  # the drafter's vocabulary: logits column j is token rows[j] (None: j)
+    best = argmax(logits) if rows is None else engine.draft_tokens(argmax(logits))
+    for i, r in enumerate(reqs):
+        if r.params.greedy:
+            r.drafts.append(best[i])
+            r.draft_probs.append(None)
+        else:  # verification needs q over the whole vocabulary: 0 outside the drafter's
+            q = sampling_probs(logits[i], r.params)
+            if rows is not None:
+                q = torch.zeros(engine.model.config.vocab_size).index_copy_(0, rows, q)
+            r.drafts.append(draw(q, r.gen))
+            r.draft_probs.append(q)
 
 
 def _token_at(seq: list[int], drafts: list[int], i: int) -> int:

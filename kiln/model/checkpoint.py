@@ -81,8 +81,8 @@ def save_checkpoint(model: CausalLM, out_dir: str | Path, mtp: torch.nn.Module |
     _atomic(out / CONFIG, lambda p: p.write_text(json.dumps(cfg, indent=2) + "\n"))
     _atomic(out / WEIGHTS, lambda p: save_file(split_experts(state), str(p), metadata={"format": "pt"}))
     if mtp is not None:
-        mstate = {k: (v.detach().to(dtype) if dtype else v.detach()).cpu().contiguous()
-                  for k, v in mtp.state_dict().items()}
+        mstate = {k: (v.detach().to(dtype) if dtype and v.is_floating_point() else v.detach()).cpu().contiguous()
+                  for k, v in mtp.state_dict().items()}  # the token counts stay integers
         meta = {"format": "pt", "depth": str(len(mtp.layers))}
         _atomic(out / MTP_WEIGHTS, lambda p: save_file(split_experts(mstate), str(p), metadata=meta))
     if tokenizer_dir is not None:
@@ -138,7 +138,7 @@ def load_checkpoint(ckpt_dir: str | Path, dtype: torch.dtype = torch.float32, de
                     with_mtp: bool = True):
     """(model, mtp or None) from a checkpoint directory, in eval mode; the family (model class) is
     config.json's model_type (or architectures)."""
-    from kiln.model.mtp import MTP
+    from kiln.model.mtp import COUNTS, MTP
 
     cfg = read_config(ckpt_dir)
     with torch.device("meta"):
@@ -156,6 +156,7 @@ def load_checkpoint(ckpt_dir: str | Path, dtype: torch.dtype = torch.float32, de
         with safe_open(str(path), "pt") as fh:
             depth = int(fh.metadata()["depth"])
             mstate = fuse_experts({k: fh.get_tensor(k) for k in fh.keys()})  # noqa: SIM118
+        mstate.setdefault(COUNTS, torch.zeros(cfg.vocab_size, dtype=torch.int64))  # written before the counts
         with torch.device("meta"):
             mtp = MTP(cfg, depth)
         _load_into(mtp, mstate, path)
@@ -186,7 +187,10 @@ def read_weights(ckpt_dir: Path, model: torch.nn.Module, mtp: torch.nn.Module | 
     _check_fits(state, model, ckpt_dir)
     mtp_state = None
     if mtp is not None and (ckpt_dir / MTP_WEIGHTS).exists():
+        from kiln.model.mtp import COUNTS
+
         mtp_state = fuse_experts(load_file(str(ckpt_dir / MTP_WEIGHTS)))
+        mtp_state.setdefault(COUNTS, mtp.state_dict()[COUNTS])  # written before the counts: keep the served ones
         _check_fits(mtp_state, mtp, ckpt_dir / MTP_WEIGHTS)
     return state, mtp_state
 

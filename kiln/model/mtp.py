@@ -8,6 +8,10 @@ shared head (its own RMSNorm, then the shared lm_head).
 Self-distillation (the report's recipe): the target is the main head's full distribution at the
 position that predicts the same token (i + k), detached; loss = KL(main || mtp). The trunk,
 embedding and head are detached by default, so training MTP cannot change the main model.
+
+The module also counts, in a buffer saved with its weights, how often each token was a training
+input: the engine's drafter proposes only from the most frequent (`Engine(draft_vocab=K)`, as
+FR-Spec does), so a draft reads K rows of the output head instead of the whole vocabulary's.
 """
 from __future__ import annotations
 
@@ -23,6 +27,7 @@ from kiln.model.layers import RMSNorm, document_mask, init_weights, rope_tables
 # Families whose decoder layer is the plain pre-norm block at the global RoPE base; Gemma 3's
 # layers (sliding windows with their own base, offset norms) would need their own MTP design.
 MTP_FAMILIES = ("qwen3_moe", "qwen3", "llama")
+COUNTS = "token_counts"
 
 
 class MTPLayer(nn.Module):
@@ -50,14 +55,30 @@ class MTP(nn.Module):
         self.config = cfg
         self.layers = nn.ModuleList(MTPLayer(cfg, k) for k in range(depth))
         init_weights(self, cfg.initializer_range)
+        self.register_buffer(COUNTS, torch.zeros(cfg.vocab_size, dtype=torch.int64))
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        # Checkpoints written before the counts load with none (the drafter then uses the whole vocabulary).
+        state_dict.setdefault(prefix + COUNTS, torch.zeros(self.config.vocab_size, dtype=torch.int64))
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+
+    def draft_ids(self, k: int) -> torch.Tensor | None:
+        """The k most frequent training tokens (ascending ids), or None for the whole vocabulary: k
+        is 0 or covers it, or nothing was counted (a checkpoint from before the counts)."""
+        counts = getattr(self, COUNTS)
+        if k <= 0 or k >= len(counts) or not bool(counts.any()):
+            return None
+        return torch.argsort(-counts, stable=True)[:k].sort().values  # ties: the lower id
 
     @property
     def depth(self) -> int:
         return len(self.layers)
 
-    def logits(self, model: CausalLM, k: int, h: torch.Tensor, detach: bool = True) -> torch.Tensor:
-        w = model.lm_head.weight
-        return F.linear(self.layers[k].norm(h), w.detach() if detach else w)
+    def logits(self, model: CausalLM, k: int, h: torch.Tensor, detach: bool = True,
+               rows: torch.Tensor | None = None) -> torch.Tensor:
+        """Depth k's logits (0-based) over the vocabulary, or over the token ids `rows` only."""
+        w = model.lm_head.weight.detach() if detach else model.lm_head.weight
+        return F.linear(self.layers[k].norm(h), w if rows is None else w[rows])
 
     def embed(self, model: CausalLM, ids: torch.Tensor, detach: bool = True) -> torch.Tensor:
         w = model.model.embed_tokens.weight
@@ -74,6 +95,9 @@ class MTP(nn.Module):
         if positions is None:
             positions = torch.arange(t, device=input_ids.device).expand(b, t)
         h = hidden.detach() if detach_trunk else hidden
+        if self.training:
+            counts = getattr(self, COUNTS)
+            counts += torch.bincount(input_ids.flatten().to(counts.device), minlength=len(counts))
         out = []
         for k, layer in enumerate(self.layers, start=1):
             n = t - k

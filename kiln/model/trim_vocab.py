@@ -15,11 +15,11 @@ other text falls back to smaller pieces. New ids keep the old order (kiln's spec
 from __future__ import annotations
 
 import json
-import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from safetensors import safe_open
 from safetensors.torch import save_file
 from tokenizers import Tokenizer
 
@@ -30,6 +30,7 @@ from kiln.model.checkpoint import (
     CheckpointError,
     read_tensors,
 )
+from kiln.model.mtp import COUNTS
 from kiln.model.tokenizer import KilnTokenizer, iter_corpus, load_tokenizer
 
 TRIM_FILE = "vocab_trim.json"
@@ -158,8 +159,12 @@ def trim_checkpoint(ckpt: str | Path, files: list[Path], out: str | Path, max_by
     out.mkdir(parents=True, exist_ok=True)
     (out / CONFIG).write_text(json.dumps(config, indent=2) + "\n")
     save_file(state, str(out / WEIGHTS), metadata={"format": "pt"})
-    if (ckpt / MTP_WEIGHTS).exists():  # MTP shares the embedding and head: nothing of it is per token
-        shutil.copyfile(ckpt / MTP_WEIGHTS, out / MTP_WEIGHTS)
+    if (ckpt / MTP_WEIGHTS).exists():  # MTP shares the embedding and head: only its token counts are per token
+        with safe_open(str(ckpt / MTP_WEIGHTS), "pt") as fh:
+            meta, mstate = fh.metadata(), {k: fh.get_tensor(k) for k in fh.keys()}  # noqa: SIM118
+        if COUNTS in mstate:
+            mstate[COUNTS] = mstate[COUNTS].index_select(0, index).contiguous()
+        save_file(mstate, str(out / MTP_WEIGHTS), metadata=meta)
     trimmed = KilnTokenizer(Tokenizer.from_str(json.dumps(data)), tok.chat_template, tok.model_max_length,
                             tok.special_tokens, tok.extra_config)
     trimmed.save(out)

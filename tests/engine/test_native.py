@@ -113,7 +113,8 @@ def test_kiln_native_0_falls_back_to_torch():
 @torch.inference_mode()
 def test_native_mtp_layers_and_heads_match_torch():
     model, mtp = tiny_model(4)
-    native = NativeTrunk(model, LIB, 64, mtp)
+    rows = torch.tensor([0, 3, 7, 200, 511])  # a draft vocabulary: the head reads these rows only
+    native = NativeTrunk(model, LIB, 64, mtp, draft_ids=rows)
     ref, nat = caches(model.config)
     hidden = torch.randn(1, 6, model.config.hidden_size)
     ids = torch.randint(0, 512, (1, 6))
@@ -126,7 +127,25 @@ def test_native_mtp_layers_and_heads_match_torch():
         torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-5)
         torch.testing.assert_close(native.head(got, norm=layer.norm.weight), mtp.logits(model, k, want),
                                    atol=5e-5, rtol=1e-5)
+        full = native.head(got, norm=layer.norm.weight)
+        assert torch.equal(native.head(got, norm=layer.norm.weight, drafts=True), full[..., rows])
     torch.testing.assert_close(nat.k[:, 0, :, 3:9], ref.k[:, 0, :, 3:9], atol=2e-5, rtol=1e-5)
+
+
+@torch.inference_mode()
+def test_an_mtp_layer_that_needs_some_rows_computes_them_and_every_cache_entry_exactly():
+    """The drafter's last layer runs the feed-forward only for the rows it drafts from: those rows
+    and the whole cache are bit-identical to a call that computes every row."""
+    model, mtp = tiny_model(4)
+    native = NativeTrunk(model, LIB, 64, mtp)
+    hidden, ids, pos = torch.randn(2, 5, model.config.hidden_size), torch.randint(0, 512, (2, 5)), torch.arange(3, 8)[None]
+    need = torch.zeros(2, 5, dtype=torch.bool)
+    need[0, 4], need[1, 2] = True, True
+    (full_cache, part_cache) = caches(model.config, n=2)
+    full = native.mtp_layer(1, hidden, ids, pos.expand(2, 5), full_cache, 0)
+    part = native.mtp_layer(1, hidden, ids, pos.expand(2, 5), part_cache, 0, need)
+    assert torch.equal(part[need], full[need]) and not torch.equal(part, full)
+    assert torch.equal(part_cache.k, full_cache.k) and torch.equal(part_cache.v, full_cache.v)
 
 
 def test_a_forked_child_decodes_natively_after_its_parent_did():

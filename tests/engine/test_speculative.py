@@ -60,16 +60,53 @@ def test_greedy_speculative_equals_plain_greedy(models, depth):
     check_stats(engine.spec_stats, depth)
 
 
-def test_mtp_cache_holds_no_entry_computed_from_a_draft(models):
+def with_counts(mtp: MTP, favoured: list[int]) -> MTP:
+    """`mtp` with training counts that rank `favoured` first (a copy: the fixture stays as it was)."""
+    out = MTP(mtp.config, mtp.depth).eval()
+    out.load_state_dict(mtp.state_dict())
+    out.token_counts.zero_()
+    out.token_counts[torch.tensor(favoured)] = torch.arange(len(favoured), 0, -1)
+    return out
+
+
+def test_a_draft_vocabulary_changes_the_drafts_never_the_output(models, monkeypatch):
+    """The drafter proposes only its draft_vocab most counted tokens: every draft is one of them
+    (the untrained drafter over all 512 would stray), and the greedy output is plain greedy's,
+    also when the vocabulary leaves out every token greedy decoding emits."""
+    model, mtp = models
+    params = SamplingParams(temperature=0, max_tokens=16)
+    plain = Engine(model).generate(PROMPTS, params)
+    wanted = sorted({t for c in plain for t in c.token_ids})
+    others = [t for t in range(model.config.vocab_size) if t not in wanted][:64]
+    proposed, real = [], speculative.draft
+
+    def spy(engine, start, reqs, *args, **kwargs):
+        real(engine, start, reqs, *args, **kwargs)
+        proposed.extend(d for r in reqs for d in r.drafts)
+    monkeypatch.setattr(speculative, "draft", spy)
+    monkeypatch.setattr(engine_module, "draft", spy)
+    for favoured in (wanted, others):
+        engine = Engine(model, mtp=with_counts(mtp, favoured), draft_vocab=len(favoured))
+        assert engine.draft_ids.tolist() == sorted(favoured)
+        proposed.clear()
+        spec = engine.generate(PROMPTS, params)
+        assert [c.token_ids for c in spec] == [c.token_ids for c in plain]
+        assert len(proposed) > 20 and set(proposed) <= set(favoured)
+    assert Engine(model, mtp=mtp, draft_vocab=64).draft_ids is None  # nothing counted: the whole vocabulary
+
+
+@pytest.mark.parametrize("prompt", [PROMPTS[1], list(range(40, 80))])
+def test_mtp_cache_holds_no_entry_computed_from_a_draft(models, prompt):
     """After every step, each MTP layer's cached keys at positions whose input tokens are known
-    equal a fresh MTP pass over the accepted sequence: no entry is left from a rejected draft."""
+    equal a fresh MTP pass over the accepted sequence: no entry is left from a rejected draft.
+    A prompt of 40 tokens goes through native.c's MTP layers 16 positions a call."""
     from kiln.engine.kvcache import KVCache
     from kiln.model.layers import rope_tables
 
     model, mtp = models  # depth 2: layer 2's last entry is the one a draft could leave behind
     depth, cfg = mtp.depth, model.config
     engine = Engine(model, mtp=mtp, max_batch=1)
-    r = engine.submit(PROMPTS[1], SamplingParams(temperature=1.0, seed=0, max_tokens=40))
+    r = engine.submit(prompt, SamplingParams(temperature=1.0, seed=0, max_tokens=40))
     checked = 0
     while not r.done.is_set():
         engine.step()
@@ -91,6 +128,29 @@ def test_mtp_cache_holds_no_entry_computed_from_a_draft(models):
                                            atol=1e-4, rtol=1e-4)
         checked += 1
     assert checked >= 5
+
+
+def test_native_drafts_over_a_long_prompt_equal_torch_drafts(models):
+    """Drafts after a 40-token prompt (native.c: 16 positions a call) are torch's."""
+    model, mtp = models
+    drafts = []
+    for native in (True, False):
+        engine = Engine(model, mtp=mtp, max_batch=1, native=native)
+        r = engine.submit(list(range(40, 80)), SamplingParams(temperature=0, max_tokens=8))
+        engine.step()  # admission (prefill, first token, drafts over the prompt), then one speculative step
+        drafts.append(list(r.drafts))
+    assert engine.native is None and len(drafts[0]) == mtp.depth and drafts[0] == drafts[1]
+
+
+def test_native_drafting_never_falls_back_to_torch(models, monkeypatch):
+    """With native.c, every drafting pass runs natively: steps whose drafts were all rejected
+    (this untrained drafter's usual case) and a prompt longer than one native call alike."""
+    model, mtp = models
+    monkeypatch.setattr(speculative, "_torch_layers", lambda *a: pytest.fail("drafted through torch"))
+    engine = Engine(model, mtp=mtp, max_batch=2)
+    assert engine.native is not None
+    engine.generate([PROMPTS[0], list(range(40, 80))], SamplingParams(temperature=0, max_tokens=12))
+    assert engine.spec_stats.steps > 10 and engine.spec_stats.accepted[0] < engine.spec_stats.steps
 
 
 def oracle_drafter(continuations: dict[tuple, list[int]], wrong=lambda k, j: False):
@@ -275,7 +335,7 @@ def bigram():
     return model, mtp, logits
 
 
-@pytest.mark.parametrize("mode", ["plain", "speculative", "speculative top_k=8"])
+@pytest.mark.parametrize("mode", ["plain", "speculative", "speculative top_k=8", "speculative draft_vocab=6"])
 def test_sampled_speculative_decoding_is_exact(bigram, mode):
     """Sampled transitions against the exact kernel (temperature 1, and with top-k truncation),
     for plain decoding (the control for the test itself) and speculative decoding with two drafts
@@ -289,7 +349,9 @@ def test_sampled_speculative_decoding_is_exact(bigram, mode):
     if top_k:
         kept = logits >= logits.topk(top_k, -1).values[:, -1:]
         kernel = kernel * kept / (kernel * kept).sum(-1, keepdim=True)
-    engine = Engine(model, mtp=None if mode == "plain" else mtp, max_batch=64, capture_routes=False)
+    if "draft_vocab" in mode:  # drafts from 6 of the 16 tokens: q is 0 where p is not
+        mtp = with_counts(mtp, [3, 9, 0, 14, 5, 7])
+    engine = Engine(model, mtp=None if mode == "plain" else mtp, max_batch=64, capture_routes=False, draft_vocab=6)
     v, n_seq = model.config.vocab_size, 64
     params = [SamplingParams(temperature=1.0, top_k=top_k, max_tokens=48, seed=s, stop_token_ids=())
               for s in range(n_seq)]

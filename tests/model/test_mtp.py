@@ -197,3 +197,34 @@ def test_kept_positions_equal_the_full_loss_restricted_to_them():
         assert per[k - 1] == pytest.approx(kl[at].mean().item(), rel=1e-4)
     with pytest.raises(ValueError, match="needs mode 'distill'"):
         mtp_loss(kept_main, kept_q, ids, docs, mode="hard", keep=keep)
+
+
+def test_training_counts_tokens_and_the_drafter_takes_the_most_frequent(tmp_path):
+    """Training forwards count their input tokens (evaluation forwards do not); draft_ids(k) are
+    the k most counted (ties to the lower id); the counts survive a checkpoint, and a checkpoint
+    from before them loads with none, so the drafter keeps the whole vocabulary."""
+    from safetensors.torch import load_file, save_file
+
+    from kiln.model.checkpoint import load_checkpoint, save_checkpoint
+
+    model, mtp = make()
+    ids = torch.tensor([[5, 5, 5, 9, 9, 2, 7, 7]])
+    hidden = model.trunk(ids).hidden
+    mtp.eval()(model, hidden, ids)
+    assert not mtp.token_counts.any() and mtp.draft_ids(3) is None
+    mtp.train()(model, hidden, ids)
+    mtp(model, hidden[:, 5:], ids[:, 5:])
+    assert mtp.token_counts[[5, 9, 2, 7]].tolist() == [3, 2, 2, 4] and int(mtp.token_counts.sum()) == 11
+    assert mtp.draft_ids(3).tolist() == [2, 5, 7]  # 9 and 2 tie at 2: 2 is the lower id
+    assert mtp.draft_ids(0) is None and mtp.draft_ids(V) is None
+    save_checkpoint(model, tmp_path / "ckpt", mtp=mtp, dtype=torch.bfloat16)
+    _, loaded = load_checkpoint(tmp_path / "ckpt")
+    assert torch.equal(loaded.token_counts, mtp.token_counts) and loaded.token_counts.dtype == torch.int64
+    path = tmp_path / "ckpt" / "mtp.safetensors"
+    from safetensors import safe_open
+    with safe_open(str(path), "pt") as fh:
+        meta = fh.metadata()
+    old = {k: v for k, v in load_file(str(path)).items() if k != "token_counts"}
+    save_file(old, str(path), metadata=meta)
+    _, loaded = load_checkpoint(tmp_path / "ckpt")
+    assert not loaded.token_counts.any() and loaded.draft_ids(3) is None

@@ -55,7 +55,9 @@ def test_trim_kilns_vocabulary(tiny, tmp_path):
     check_trimmed(tiny, tmp_path / "out", CORPUS)
     tok = load_tokenizer(tmp_path / "out")
     assert tok.special_tokens is None and tok.im_end_id == 2  # kiln's specials keep their fixed ids
-    assert (tmp_path / "out" / "mtp.safetensors").is_file()
+    (_, src_mtp), (_, out_mtp) = load_checkpoint(tiny), load_checkpoint(tmp_path / "out")
+    old_ids = json.loads((tmp_path / "out" / TRIM_FILE).read_text())["old_ids"]
+    assert torch.equal(out_mtp.token_counts, src_mtp.token_counts[old_ids])  # the drafter's counts follow the ids
 
 
 def test_trim_an_imported_sentencepiece_vocabulary(tmp_path):
