@@ -108,7 +108,9 @@ def test_sandbox_gc_removes_a_dead_owners_run_dir(tmp_path):
     (tmp_path / "run" / "999999999").mkdir(parents=True)  # no such process
     result = runner.invoke(app, ["sandbox", "gc", f"sandbox.state_dir={tmp_path}"])
     assert result.exit_code == 0, result.output
-    assert "removed 1 stale sandbox" in result.stdout
+    # At least this one: gc also removes what dead sandboxes left elsewhere on the host (cgroups).
+    removed = re.fullmatch(r"removed (\d+) stale sandbox(es)?\n", result.stdout)
+    assert removed and int(removed.group(1)) >= 1, result.stdout
     assert not (tmp_path / "run" / "999999999").exists()
 
 

@@ -259,27 +259,30 @@ class Engine:
             if self.prefix is not None:
                 done, routes = self.prefix.restore(r.prompt_ids, self.cache, slot)
                 r.routes = [routes] if self.capture_routes and len(routes) else []
-            hidden = self.forward(slot, torch.tensor([r.prompt_ids[done:]], device=self.device),
-                                  torch.arange(done, len(r.prompt_ids), device=self.device)[None], [r])
+            hidden = self.forward(slot, [r.prompt_ids[done:]], [done], [r])
             r.length = len(r.prompt_ids)
             self.emit(r, [self.sample(r, self.head(hidden[0, -1]).float().cpu())])
             if self.mtp is not None and r.finish_reason is None:
                 draft(self, slot, [r], hidden, start_positions=[0], n_valid=[r.length])
 
-    def forward(self, start: int, ids: torch.Tensor, positions: torch.Tensor, reqs: list[Request]):
-        """The main trunk over slots start.. with the cache -> hidden states [B, T, D]."""
-        if self.native is not None and ids.shape[0] <= NATIVE_MAX_BATCH and ids.shape[1] <= NATIVE_PREFILL:
-            parts = [self.native(ids[:, c:c + MAX_TOKENS], positions[:, c:c + MAX_TOKENS], self.cache, start)
-                     for c in range(0, ids.shape[1], MAX_TOKENS)]
+    def forward(self, start: int, ids: list[list[int]], starts: list[int], reqs: list[Request]):
+        """The main trunk over slots start.. with the cache -> hidden states [B, T, D]; row b holds
+        ids[b] at positions starts[b]..starts[b] + T - 1."""
+        t = len(ids[0])
+        if self.native is not None and len(ids) <= NATIVE_MAX_BATCH and t <= NATIVE_PREFILL:
+            parts = [self.native.trunk([row[c:c + MAX_TOKENS] for row in ids], [s + c for s in starts], self.cache,
+                                       start) for c in range(0, t, MAX_TOKENS)]
             hidden, routes = parts[0] if len(parts) == 1 else (
                 torch.cat([h for h, _ in parts], 1), None if parts[0][1] is None else torch.cat([r for _, r in parts], 1))
-        elif self.fast is not None:
-            self.cache.begin(start, positions)
-            hidden, routes = self.fast(ids, positions, self.cache)
         else:
+            ids_t = torch.tensor(ids, device=self.device)
+            positions = torch.tensor(starts, device=self.device)[:, None] + torch.arange(t, device=self.device)
             self.cache.begin(start, positions)
-            out = self.model.trunk(ids, positions=positions, cache=self.cache)
-            hidden, routes = out.hidden, out.routes
+            if self.fast is not None:
+                hidden, routes = self.fast(ids_t, positions, self.cache)
+            else:
+                out = self.model.trunk(ids_t, positions=positions, cache=self.cache)
+                hidden, routes = out.hidden, out.routes
         if self.capture_routes and routes is not None:
             for r, rr in zip(reqs, routes.to(torch.int16).cpu()):
                 r.pending_routes = rr
@@ -287,9 +290,7 @@ class Engine:
 
     def _decode(self) -> None:
         rs = self.running
-        ids = torch.tensor([[r.tokens[-1]] for r in rs], device=self.device)
-        pos = torch.tensor([[r.length] for r in rs], device=self.device)
-        logits = self.head(self.forward(0, ids, pos, rs)[:, -1]).float().cpu()
+        logits = self.head(self.forward(0, [[r.tokens[-1]] for r in rs], [r.length for r in rs], rs)[:, -1]).float().cpu()
         for i, r in enumerate(rs):
             r.length += 1
             self.emit(r, [self.sample(r, logits[i])], fed=1)

@@ -175,7 +175,7 @@ def _struct(model, layers, max_len: int, keep: list, weight, mtp_layers=None) ->
 
 class NativeTrunk:
     """`FastTrunk`'s interface over native.c for a batch of sequences in consecutive cache slots:
-    (hidden, routes) = trunk(ids, positions, cache, slot); `head(hidden)` for the logits; with an
+    (hidden, routes) = trunk(ids, starts, cache, slot); `head(hidden)` for the logits; with an
     MTP module, `mtp_layer` runs one of its layers (the drafter).
 
     `dtype` bfloat16: the weight matrices are read from bf16 copies of the model's parameters,
@@ -188,6 +188,7 @@ class NativeTrunk:
         self.model, self.mtp, self.lib, self.max_len, self.dtype = model, mtp, lib, max_len, dtype
         self.draft_ids = draft_ids  # the drafter's vocabulary (head rows), None = all
         self._scratch = torch.empty(0)
+        self._sizes: dict[tuple[int, int], int] = {}  # scratch floats by (rows, tokens)
         self.refresh()
 
     def refresh(self) -> None:
@@ -198,7 +199,8 @@ class NativeTrunk:
         layers = self.model.model.layers
         self.struct = _struct(self.model, layers, self.max_len, self._keep, self._weight)
         self.ref = ctypes.byref(self.struct)  # what each call passes; built once (a call's overhead counts here)
-        self.dim, self.vocab = self.model.config.hidden_size, self.model.config.vocab_size
+        cfg = self.model.config
+        self.dim, self.vocab, self.top_k = cfg.hidden_size, cfg.vocab_size, cfg.num_experts_per_tok
         self.final_norm = self.model.model.norm.weight
         self.n_moe = sum(isinstance(layer.mlp, MoeBlock) for layer in layers)
         # The drafter's head rows, contiguous (and in the sampler's dtype), copied again at every refresh.
@@ -219,55 +221,56 @@ class NativeTrunk:
 
     def scratch(self, b: int, t: int) -> int:
         """The address of scratch memory for a call over b sequences of t tokens (grown as needed)."""
-        n = self.lib.kiln_scratch_floats(self.ref, b, t)
+        n = self._sizes.get((b, t))
+        if n is None:
+            n = self._sizes[b, t] = self.lib.kiln_scratch_floats(self.ref, b, t)
         if self._scratch.numel() < n:
             self._scratch = torch.empty(n)
         return self._scratch.data_ptr()
 
-    def _check(self, positions: torch.Tensor, cache, slot: int) -> torch.Tensor:
-        """The first position of each row, int32 (each row's positions are consecutive)."""
-        b, t = positions.shape
-        pos0 = positions[:, 0].to(torch.int32).contiguous()
-        lo, hi = (int(x) for x in torch.aminmax(pos0)) if b else (0, -t)
-        end = hi + t
-        if t > MAX_TOKENS or end > min(cache.max_len, self.max_len) or lo < 0 \
+    def _slots(self, starts: list[int], t: int, cache, slot: int):
+        """Check a call over rows starting at positions `starts` (t tokens each) in slots slot..;
+        -> (their first positions as C int32s, the slots' key and value cache addresses)."""
+        b = len(starts)
+        end = max(starts) + t if b else 0
+        if t > MAX_TOKENS or end > min(cache.max_len, self.max_len) or (b and min(starts) < 0) \
                 or not (0 <= slot and slot + b <= cache.slots):
             raise ValueError(f"positions up to {end - 1} of slots {slot}..{slot + b - 1} are outside the cache "
                              f"({cache.slots} slots of {cache.max_len} positions) or over {MAX_TOKENS} tokens")
-        return pos0
+        off = slot * cache.k.stride(1) * cache.k.element_size()
+        return (ctypes.c_int32 * b)(*starts), cache.k.data_ptr() + off, cache.v.data_ptr() + off
 
     def __call__(self, ids: torch.Tensor, positions: torch.Tensor, cache, slot: int):
-        """ids, positions [B, T] for the sequences in slots slot..slot+B-1 (consecutive positions in a
-        row, T <= MAX_TOKENS) -> (hidden [B, T, D] before the final norm, routes [B, T, n_moe, k]
-        int32 or None)."""
-        b, t = ids.shape
-        pos0 = self._check(positions, cache, slot)
-        cfg = self.model.config
-        ids64 = ids.reshape(-1).to(torch.int64).contiguous()
-        hidden = torch.empty(b, t, cfg.hidden_size)
-        routes = torch.empty(b, t, max(self.n_moe, 1), cfg.num_experts_per_tok, dtype=torch.int32)
-        k, v = cache.k[0, slot], cache.v[0, slot]
-        self.lib.kiln_trunk(self.ref, b, t, ids64.data_ptr(), pos0.data_ptr(), k.data_ptr(),
-                            v.data_ptr(), cache.k.stride(1), cache.k.stride(0), cache.max_len, hidden.data_ptr(),
-                            routes.data_ptr(), self.scratch(b, t))
+        """`trunk` over tensors: ids, positions [B, T] (consecutive positions in a row)."""
+        return self.trunk(ids.tolist(), positions[:, 0].tolist(), cache, slot)
+
+    def trunk(self, ids: list[list[int]], starts: list[int], cache, slot: int):
+        """ids [B][T] (T <= MAX_TOKENS) of the sequences in slots slot..slot+B-1, row b at positions
+        starts[b]..+T-1 -> (hidden [B, T, D] before the final norm, routes [B, T, n_moe, k] int32 or
+        None). Lists, not tensors: at a token a step, building small tensors was much of the step."""
+        b, t = len(ids), len(ids[0])
+        pos0, k, v = self._slots(starts, t, cache, slot)
+        flat = (ctypes.c_int64 * (b * t))(*(i for row in ids for i in row))
+        hidden = torch.empty(b, t, self.dim)
+        routes = torch.empty(b, t, max(self.n_moe, 1), self.top_k, dtype=torch.int32)
+        self.lib.kiln_trunk(self.ref, b, t, flat, pos0, k, v, cache.k.stride(1), cache.k.stride(0), cache.max_len,
+                            hidden.data_ptr(), routes.data_ptr(), self.scratch(b, t))
         return hidden, (routes if self.n_moe else None)
 
-    def mtp_layer(self, k: int, hidden: torch.Tensor, ids: torch.Tensor, positions: torch.Tensor, cache,
-                  slot: int, need: torch.Tensor | None = None) -> torch.Tensor:
-        """MTP layer k (0-based) over hidden [B, T, D] and the next tokens' ids [B, T] at `positions`
-        [B, T] of slots slot.. in the MTP cache -> its output [B, T, D]. With `need` ([B, T] bool),
-        a MoE layer's feed-forward runs only where it is true: elsewhere only the cache entries are
-        right, not the output (the drafter's last layer feeds only its drafting positions on)."""
-        b, t = ids.shape
-        pos0 = self._check(positions, cache, slot)
+    def mtp_layer(self, k: int, hidden: torch.Tensor, ids: list[list[int]], starts: list[int], cache, slot: int,
+                  need: list[list[bool]] | None = None) -> torch.Tensor:
+        """MTP layer k (0-based) over hidden [B, T, D] and the next tokens' ids [B][T], row b at
+        positions starts[b].. of slot slot + b in the MTP cache -> its output [B, T, D]. With `need`
+        ([B][T]), a MoE layer's feed-forward runs only where it is true: elsewhere only the cache
+        entries are right, not the output (the drafter's last layer feeds only its drafting positions on)."""
+        b, t = len(ids), len(ids[0])
+        pos0, kc, vc = self._slots(starts, t, cache, slot)
+        flat = (ctypes.c_int64 * (b * t))(*(i for row in ids for i in row))
+        flags = None if need is None else (ctypes.c_uint8 * (b * t))(*(f for row in need for f in row))
         h_in = hidden.contiguous()
-        ids64 = ids.reshape(-1).to(torch.int64).contiguous()
-        flags = None if need is None else need.to(torch.uint8).contiguous()  # held until the call returns
         out = torch.empty_like(h_in)
-        self.lib.kiln_mtp_layer(self.mtp_ref, k, b, t, h_in.data_ptr(), ids64.data_ptr(),
-                                pos0.data_ptr(), cache.k[0, slot].data_ptr(), cache.v[0, slot].data_ptr(),
-                                cache.k.stride(1), cache.k.stride(0), cache.max_len, out.data_ptr(),
-                                self.scratch(b, t), None if need is None else flags.data_ptr())
+        self.lib.kiln_mtp_layer(self.mtp_ref, k, b, t, h_in.data_ptr(), flat, pos0, kc, vc, cache.k.stride(1),
+                                cache.k.stride(0), cache.max_len, out.data_ptr(), self.scratch(b, t), flags)
         return out
 
     def head(self, hidden: torch.Tensor, norm: torch.Tensor | None = None, drafts: bool = False) -> torch.Tensor:

@@ -50,8 +50,8 @@ def make_generator(seed: int | None) -> torch.Generator:
 
 def policy_logprobs(logits: torch.Tensor, temperature: float) -> torch.Tensor:
     """log softmax(logits / T) in fp32; T = 0 (greedy) reports the T = 1 distribution."""
-    t = temperature if temperature > 0 else 1.0
-    return torch.log_softmax(logits.float() / t, dim=-1)
+    x = logits.float()  # T = 1 skips the division (exact anyway): it is a step's Python time
+    return torch.log_softmax(x if temperature in (0, 1) else x / temperature, dim=-1)
 
 
 def sampling_probs(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:

@@ -53,10 +53,8 @@ class SpecStats:
 def spec_step(engine) -> None:
     rs = engine.running
     depth = engine.mtp.depth
-    ids = torch.tensor([[r.tokens[-1]] + r.drafts for r in rs], device=engine.device)
     starts = [r.length for r in rs]
-    pos = torch.tensor(starts, device=engine.device)[:, None] + torch.arange(depth + 1, device=engine.device)
-    hidden = engine.forward(0, ids, pos, rs)
+    hidden = engine.forward(0, [[r.tokens[-1]] + r.drafts for r in rs], starts, rs)
     logits = engine.head(hidden).float().cpu()  # sampling and acceptance run on the CPU
     n_valid = []
     for b, r in enumerate(rs):
@@ -135,14 +133,12 @@ def _native_layers(engine, start: int, reqs, h: torch.Tensor, starts: list[int],
     """native.c's MTP layers over h [B, T <= MAX_TOKENS, D] at positions starts[b] + 0..T-1, every
     sequence in one call a layer; with `last` (each row's position in h to draft from), the drafts."""
     b, t, _ = h.shape
-    pos = torch.tensor([[s + i for i in range(t)] for s in starts])
     # The last layer's outputs feed only the drafting positions' heads: elsewhere it only writes the cache.
-    need = torch.tensor([[i == x for i in range(t)] for x in (last or [-1] * b)], dtype=torch.uint8)
+    need = [[i == x for i in range(t)] for x in (last or [-1] * b)]
     depth = engine.mtp.depth
     for k, layer in enumerate(engine.mtp.layers, start=1):
-        ids = torch.tensor([[_token_at(seq, r.drafts, s + i + k) for i in range(t)]
-                            for seq, r, s in zip(seqs, reqs, starts)])
-        h = engine.native.mtp_layer(k - 1, h, ids, pos, engine.mtp_cache, start, need if k == depth else None)
+        ids = [[_token_at(seq, r.drafts, s + i + k) for i in range(t)] for seq, r, s in zip(seqs, reqs, starts)]
+        h = engine.native.mtp_layer(k - 1, h, ids, starts, engine.mtp_cache, start, need if k == depth else None)
         if last is not None:
             at = h[0, last[0]][None] if b == 1 else h[torch.arange(b), torch.tensor(last)]
             _propose(engine, reqs, engine.native.head(at, norm=layer.norm.weight, drafts=engine.draft_ids is not None))

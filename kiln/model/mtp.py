@@ -54,6 +54,7 @@ class MTP(nn.Module):
                              "set model.mtp_depth=0")
         self.config = cfg
         self.layers = nn.ModuleList(MTPLayer(cfg, k) for k in range(depth))
+        self.depth = depth  # a plain attribute: the engine reads it several times a decoding step
         init_weights(self, cfg.initializer_range)
         self.register_buffer(COUNTS, torch.zeros(cfg.vocab_size, dtype=torch.int64))
 
@@ -69,10 +70,6 @@ class MTP(nn.Module):
         if k <= 0 or k >= len(counts) or not bool(counts.any()):
             return None
         return torch.argsort(-counts, stable=True)[:k].sort().values  # ties: the lower id
-
-    @property
-    def depth(self) -> int:
-        return len(self.layers)
 
     def logits(self, model: CausalLM, k: int, h: torch.Tensor, detach: bool = True,
                rows: torch.Tensor | None = None) -> torch.Tensor:

@@ -58,7 +58,7 @@ def run(native: NativeTrunk, ids: torch.Tensor, mtp: bool = False):
         hidden, routes = native(chunk, pos, cache, 0)
         out += [hidden, routes, native.head(hidden)]
         if mtp:
-            out.append(native.mtp_layer(0, hidden, ids[:, s + 1:s + 6], pos, mcache, 0))
+            out.append(native.mtp_layer(0, hidden, ids[:, s + 1:s + 6].tolist(), [s] * ids.shape[0], mcache, 0))
     return out + [cache.k, cache.v, mcache.k]
 
 

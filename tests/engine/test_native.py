@@ -123,7 +123,7 @@ def test_native_mtp_layers_and_heads_match_torch():
     rope = rope_tables(model.model.inv_freq(torch.device("cpu")), pos, hidden.dtype)
     for k, layer in enumerate(mtp.layers):
         want = layer(hidden, mtp.embed(model, ids), rope, cache=ref)
-        got = native.mtp_layer(k, hidden, ids, pos, nat, 0)
+        got = native.mtp_layer(k, hidden, ids.tolist(), [3], nat, 0)
         torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-5)
         torch.testing.assert_close(native.head(got, norm=layer.norm.weight), mtp.logits(model, k, want),
                                    atol=5e-5, rtol=1e-5)
@@ -138,12 +138,12 @@ def test_an_mtp_layer_that_needs_some_rows_computes_them_and_every_cache_entry_e
     and the whole cache are bit-identical to a call that computes every row."""
     model, mtp = tiny_model(4)
     native = NativeTrunk(model, LIB, 64, mtp)
-    hidden, ids, pos = torch.randn(2, 5, model.config.hidden_size), torch.randint(0, 512, (2, 5)), torch.arange(3, 8)[None]
+    hidden, ids = torch.randn(2, 5, model.config.hidden_size), torch.randint(0, 512, (2, 5))
     need = torch.zeros(2, 5, dtype=torch.bool)
     need[0, 4], need[1, 2] = True, True
     (full_cache, part_cache) = caches(model.config, n=2)
-    full = native.mtp_layer(1, hidden, ids, pos.expand(2, 5), full_cache, 0)
-    part = native.mtp_layer(1, hidden, ids, pos.expand(2, 5), part_cache, 0, need)
+    full = native.mtp_layer(1, hidden, ids.tolist(), [3, 3], full_cache, 0)
+    part = native.mtp_layer(1, hidden, ids.tolist(), [3, 3], part_cache, 0, need.tolist())
     assert torch.equal(part[need], full[need]) and not torch.equal(part, full)
     assert torch.equal(part_cache.k, full_cache.k) and torch.equal(part_cache.v, full_cache.v)
 
