@@ -68,7 +68,8 @@ class Request:
     tokens: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
-    routes: list[torch.Tensor] = field(default_factory=list)  # chunks [n, L, k] over the fed positions, in order
+    route_prefix: list = field(default_factory=list)  # routes of the positions restored from a kept prefix, as lists
+    routes: list[torch.Tensor] = field(default_factory=list)  # chunks [n, L, k] over the positions fed since, in order
     finish_reason: str | None = None
     events: queue.Queue | None = None  # streaming: (text_delta, token_ids) tuples, then None
     done: threading.Event = field(default_factory=threading.Event)
@@ -258,7 +259,7 @@ class Engine:
             done = 0
             if self.prefix is not None:
                 done, routes = self.prefix.restore(r.prompt_ids, self.cache, slot)
-                r.routes = [routes] if self.capture_routes and len(routes) else []
+                r.route_prefix = routes if self.capture_routes else []
             hidden = self.forward(slot, [r.prompt_ids[done:]], [done], [r])
             r.length = len(r.prompt_ids)
             self.emit(r, [self.sample(r, self.head(hidden[0, -1]).float().cpu())])
@@ -343,8 +344,9 @@ class Engine:
         done = [r for r in self.running if r.finish_reason is not None]
         for r in done:
             slot, last = self.running.index(r), len(self.running) - 1
+            routes = self._route_list(r)
             if self.prefix is not None:  # the cache holds the prompt and every token but the last
-                self.prefix.park(self.cache, slot, (r.prompt_ids + r.tokens)[:r.length], r.routes)
+                self.prefix.park(self.cache, slot, (r.prompt_ids + r.tokens)[:r.length], routes)
             if slot != last:  # keep running sequences in slots 0..n-1
                 moved = self.running[last]
                 self.cache.move(last, slot, moved.length)
@@ -352,22 +354,26 @@ class Engine:
                     self.mtp_cache.move(last, slot, moved.length)
                 self.running[slot] = moved
             self.running.pop()
-            self._complete(r)
+            self._complete(r, routes)
         return done
 
-    def _complete(self, r: Request) -> None:
+    def _route_list(self, r: Request) -> list | None:
+        """The routes of every position of r's prompt and tokens ([n_moe][k] each; the last token,
+        never fed, all -1), or None when none were captured."""
+        if not (self.capture_routes and (r.route_prefix or r.routes)):
+            return None
+        fed = r.route_prefix + (torch.cat(r.routes).tolist() if r.routes else [])
+        n = len(r.prompt_ids) + len(r.tokens)
+        blank = [[-1] * len(fed[0][0])] * len(fed[0])
+        return fed + [blank] * (n - len(fed))
+
+    def _complete(self, r: Request, routes: list | None) -> None:
         text = ""
         if r.detok is not None:
             tail = r.detok.flush()
             if r.events is not None and tail:
                 r.events.put((tail, []))
             text = r.detok.text
-        routes = None
-        if self.capture_routes and r.routes:
-            fed = torch.cat(r.routes).tolist()
-            n = len(r.prompt_ids) + len(r.tokens)
-            blank = [[-1] * len(fed[0][0])] * len(fed[0])
-            routes = fed + [blank] * (n - len(fed))  # the last token was never fed
         r.result = Completion(r.prompt_ids, r.tokens, r.logprobs, r.versions, text, r.finish_reason, routes)
         _finish_events(r)
         r.done.set()
