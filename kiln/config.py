@@ -110,9 +110,8 @@ class HarnessConfig(Section):
 class PolicyConfig(Section):
     kind: Literal["openai", "oracle", "scripted", "local"] = "openai"
     checkpoint: str = ""  # local: a kiln checkpoint directory (model, MTP drafter, tokenizer)
-    # local: draft with the checkpoint's MTP (speculative decoding). Off by default: on agent turns the
-    # drafter costs more than it saves (0.68x plain decoding: each turn it reads its whole prompt again,
-    # having no prefix reuse yet), though it saves on long generations (~1.3x, benchmarks/decode.py).
+    # local: draft with the checkpoint's MTP. Off by default: on agent turns it costs more than it saves
+    # (0.68x plain decoding: it re-reads each whole prompt), though ~1.3x on long generations (docs).
     speculative: bool = False
     base_url: str = "http://127.0.0.1:8000/v1"  # any OpenAI-compatible chat-completions endpoint
     model: str = "kiln"
@@ -129,10 +128,8 @@ class PolicyConfig(Section):
 
 class EngineConfig(Section):
     """kiln's own decoding engine (kiln/engine/), where `kiln rl` samples and `kiln bench` runs a local policy."""
-    # The weights the sampler decodes with: bfloat16 rounds them from the fp32 checkpoint (the RL trainer
-    # keeps its fp32 master and publishes the rounded weights); activations and sums stay fp32 either way.
-    # float32 by measurement: the tiny RL run is trainer-bound, and bf16 gave the same reward, held-out
-    # gain and minutes (docs: "Which default"); bf16's 4x smaller weight delta is for a remote store.
+    # The sampler's weights: bfloat16 rounds the fp32 checkpoint's (the RL trainer publishes them so),
+    # activations stay fp32. float32 by measurement: bf16 gave the same RL reward and minutes (docs).
     dtype: Literal["float32", "bfloat16"] = "float32"
 
 

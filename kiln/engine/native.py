@@ -9,8 +9,9 @@ decodes with `FastTrunk` as before.
 
 The engine uses it for forwards of at most `MAX_TOKENS` tokens per sequence (decoding and
 speculative verification, so both take the same per-token arithmetic) over a batch of up to
-engine.NATIVE_MAX_BATCH sequences in one call, each weight read once for all of them; longer
-prefills go through torch, where matrix-matrix products win.
+engine.NATIVE_MAX_BATCH sequences in one call, each weight read once for all of them; prefills
+up to engine.NATIVE_PREFILL tokens take it MAX_TOKENS a call, longer ones go through torch, where
+matrix-matrix products win.
 """
 from __future__ import annotations
 
@@ -174,8 +175,9 @@ def _struct(model, layers, max_len: int, keep: list, weight, mtp_layers=None) ->
 
 
 class NativeTrunk:
-    """`FastTrunk`'s interface over native.c for a batch of sequences in consecutive cache slots:
-    (hidden, routes) = trunk(ids, starts, cache, slot); `head(hidden)` for the logits; with an
+    """native.c for a batch of sequences in consecutive cache slots: (hidden, routes) =
+    trunk(ids, starts, cache, slot) from lists (the engine's call), or from tensors as `FastTrunk`
+    takes them, native(ids, positions, cache, slot); `head(hidden)` for the logits; with an
     MTP module, `mtp_layer` runs one of its layers (the drafter).
 
     `dtype` bfloat16: the weight matrices are read from bf16 copies of the model's parameters,

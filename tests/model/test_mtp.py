@@ -203,6 +203,7 @@ def test_training_counts_tokens_and_the_drafter_takes_the_most_frequent(tmp_path
     """Training forwards count their input tokens (evaluation forwards do not); draft_ids(k) are
     the k most counted (ties to the lower id); the counts survive a checkpoint, and a checkpoint
     from before them loads with none, so the drafter keeps the whole vocabulary."""
+    from safetensors import safe_open
     from safetensors.torch import load_file, save_file
 
     from kiln.model.checkpoint import load_checkpoint, save_checkpoint
@@ -221,7 +222,6 @@ def test_training_counts_tokens_and_the_drafter_takes_the_most_frequent(tmp_path
     _, loaded = load_checkpoint(tmp_path / "ckpt")
     assert torch.equal(loaded.token_counts, mtp.token_counts) and loaded.token_counts.dtype == torch.int64
     path = tmp_path / "ckpt" / "mtp.safetensors"
-    from safetensors import safe_open
     with safe_open(str(path), "pt") as fh:
         meta = fh.metadata()
     old = {k: v for k, v in load_file(str(path)).items() if k != "token_counts"}
