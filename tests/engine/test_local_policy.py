@@ -2,6 +2,7 @@
 config wiring, and the real agent loop running on it."""
 from __future__ import annotations
 
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -149,13 +150,19 @@ def test_policies_sharing_a_runner_batch_their_turns(tiny_checkpoint, tok):
     chats = [[{"role": "system", "content": "sys"}, {"role": "user", "content": f"task {i}"}] for i in range(2)]
     alone = [LocalPolicy(engine, tok, p).generate(c, [], 40) for p, c in zip(params, chats)]
     runner = EngineRunner(engine)
-    runner.start()
-    try:
-        shared = [LocalPolicy(engine, tok, p, runner=runner) for p in params]
-        with ThreadPoolExecutor(2) as pool:
-            together = list(pool.map(lambda pc: pc[0].generate(pc[1], [], 40), zip(shared, chats)))
-    finally:
-        runner.close()
+    shared = [LocalPolicy(engine, tok, p, runner=runner) for p in params]
+    with ThreadPoolExecutor(2) as pool:
+        futures = [pool.submit(policy.generate, chat, [], 40) for policy, chat in zip(shared, chats)]
+        # Both turns queued before the runner's first step: they share its batches however fast the
+        # first would finish alone (a faster engine had it done before the second was submitted).
+        deadline = time.monotonic() + 30
+        while engine.waiting.qsize() < 2 and time.monotonic() < deadline:
+            time.sleep(0.005)
+        runner.start()
+        try:
+            together = [f.result() for f in futures]
+        finally:
+            runner.close()
     assert runner.peak_running == 2
     assert [r.completion_ids for r in together] == [r.completion_ids for r in alone]
 
