@@ -67,6 +67,7 @@ class SandboxConfig(Section):
     gid: int = Field(0, ge=0)
     env_cache: str = ""  # built environments; empty = $KILN_ENV_CACHE, else ~/.cache/kiln/envs
     pool_size: int = Field(2, ge=0)  # warm sandboxes kept ready
+    fork_pytest: bool = True  # `python -m pytest` runs in a fork with pytest imported (sandbox/pytest_fork.py)
     diff_exclude: list[str] = [".git", "__pycache__", ".pytest_cache", "*.pyc"]
 
 

@@ -23,7 +23,7 @@ import selectors
 import signal
 import socket
 
-from . import ns
+from . import ns, pytest_fork
 
 # Runs the user's command (read from fd 4, a memfd: argv is capped at 128 KiB per string) in
 # this shell and, on any exit, reports the shell state (cwd + exported variables,
@@ -151,8 +151,12 @@ def _command(req: dict, fds: list[int], alive_r: int, spec: dict) -> None:
             f.write("0")
         # The shell must not be pid 1 (the kernel drops default-action signals sent to pid 1,
         # so `kill $$` would do nothing): this process stays as the namespace's reaper.
+        base = spec.get("pytest_fork")
+        fast = pytest_fork.plan(req["command"], req["env"], base) if base and not req["log"] else None
         shell = os.fork()
         if shell == 0:
+            if fast:
+                pytest_fork.run(fast, req["env"], base)
             os.execve(BASH, ["bash", "--noprofile", "--norc", "-c", WRAPPER], req["env"])
         for fd in range(5):
             os.close(fd)

@@ -111,6 +111,7 @@ class Sandbox:
         host = not cfg.rootfs
         spec["binds"] = [] if build else bind_paths(list(cfg.ro_binds), [sys.prefix, sys.base_prefix] if host else [], host)
         spec["build"] = build
+        spec["fork_pytest"] = cfg.fork_pytest and host and not build
         sid = new_id()
         reply = svc.request("create", sid=sid, spec=spec, layers=list(snapshot.layers), copy_from=copy_from)
         return cls(snapshot, cfg, sid, reply, build)

@@ -8,6 +8,8 @@ import subprocess
 import sys
 import threading
 
+from . import pytest_fork
+
 _PKG_PARENT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 _services: dict[str, "Service"] = {}
 _lock = threading.Lock()
@@ -24,7 +26,9 @@ class Service:
             os.makedirs(os.path.join(state_dir, sub), exist_ok=True)
         mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         # -S: skip site-packages for a fast start; the zygote needs only the stdlib and kiln.
-        env = {"PYTHONPATH": _PKG_PARENT, "PATH": os.environ.get("PATH", "/usr/bin:/bin")}
+        # The hash seed is fixed because pytest runs forked from this process (pytest_fork.py).
+        env = {"PYTHONPATH": _PKG_PARENT, "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
+               "PYTHONHASHSEED": pytest_fork.HASH_SEED}
         self.proc = subprocess.Popen(
             [sys.executable, "-S", "-m", "kiln.sandbox.zygote", str(theirs.fileno())],
             pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, env=env)

@@ -21,7 +21,7 @@ import socket
 import sys
 import traceback
 
-from . import cgroups, fsutil, init, ns, rootfs
+from . import cgroups, fsutil, init, ns, pytest_fork, rootfs
 from .snapshot import mark_owner
 
 
@@ -32,6 +32,7 @@ class Zygote:
         self.layers_dir = os.path.join(state_dir, "layers")
         self.use_cgroups = cgroups.available()
         self.boxes: dict[str, dict] = {}  # sid -> {"keeper": pid, "init": pid, "cgroups": [...]}
+        self._pytest: dict | None | bool = False  # pytest_fork.preload()'s answer; False: not asked yet
 
     def setup(self) -> None:
         uid, gid = os.getuid(), os.getgid()
@@ -87,6 +88,8 @@ class Zygote:
         if self.use_cgroups:
             entry["cgroups"] = cgroups.create(f"{os.getpid()}-{sid}", spec["memory_mb"], spec["max_procs"])
         spec = {**spec, "cgroups": bool(entry["cgroups"])}
+        if spec.get("fork_pytest"):
+            spec["pytest_fork"] = self.pytest_base()
         client_end, init_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         ready_r, ready_w = os.pipe()
         entry["keeper"] = os.fork()
@@ -102,6 +105,12 @@ class Zygote:
             client_end.close()
             raise RuntimeError(info.get("error", "sandbox init died during start-up"))
         return {"init": info["init"], "cgroups": spec["cgroups"], "upper": box + "/upper"}, [client_end.detach()]
+
+    def pytest_base(self) -> dict | None:
+        """pytest imported here once, on the first sandbox that wants it (see pytest_fork.py)."""
+        if self._pytest is False:
+            self._pytest = pytest_fork.preload()
+        return self._pytest
 
     def op_close(self, req: dict) -> dict:
         """Tear a sandbox down; tolerates one that failed half-way through start-up."""
