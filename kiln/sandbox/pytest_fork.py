@@ -10,7 +10,7 @@ Python. `plan` accepts only what such a child runs exactly as a fresh interprete
   `( [ulimit -S -t N; ]...) > FILE 2>&1`, with no other shell syntax (no `$`, globs, pipes,
   lists, backslashes or comments): quoting only;
 - `python` on the command's PATH is the zygote's own interpreter (the same venv, so the same
-  pytest and plugins), and its user site-packages are off or absent;
+  pytest and plugins);
 - the environment's Python start-up variables are ones the child applies (PYTHONPATH,
   PYTHONDONTWRITEBYTECODE, PYTHONUNBUFFERED, PYTHONNOUSERSITE) plus PYTHONHASHSEED 0 or unset (the
   zygote runs with seed 0, one of the seeds a fresh interpreter may draw), and the locale is UTF-8.
@@ -33,7 +33,8 @@ _WORD = r"""(?:[\w./:=,+@%^-]|'[^']*'|"[^"$`\\!]*")+"""
 _WORDS = re.compile(rf"{_WORD}(?:[ \t]+{_WORD})*")
 _WRAPPED = re.compile(r"\( (?:ulimit -S -t (\d+); )?(.*?)[ \t]*\) > ([\w./-]+) 2>&1")
 _ASSIGN = re.compile(r"[A-Za-z_]\w*=")
-_PROBE = "import json, site, sys; print(json.dumps({'path': sys.path[1:], 'user_site': bool(site.ENABLE_USER_SITE)}))"
+# Run with -S: the interpreter's path before site (the stdlib), then after site.main() (+ site-packages).
+_PROBE = "import json, site, sys; stdlib = sys.path[1:]; site.main(); print(json.dumps([stdlib, sys.path[1:]]))"
 
 
 class Plan(NamedTuple):
@@ -48,10 +49,10 @@ def preload() -> dict | None:
     """In the zygote: import pytest and its built-in plugins; return what `plan` and `run` need (the
     interpreter's sys.path as a fresh `python` in a sandbox sees it), or None if pytest is missing."""
     try:
-        out = subprocess.run([sys.executable, "-c", _PROBE], capture_output=True, text=True, timeout=60, check=True,
-                             env={"PATH": "/usr/bin:/bin", "HOME": "/nonexistent", "LANG": "C.UTF-8"})
-        base = json.loads(out.stdout)
-        sys.path.extend(p for p in base["path"] if p not in sys.path)
+        out = subprocess.run([sys.executable, "-S", "-c", _PROBE], capture_output=True, text=True, timeout=60,
+                             check=True, env={"PATH": "/usr/bin:/bin", "HOME": "/nonexistent", "LANG": "C.UTF-8"})
+        stdlib, full = json.loads(out.stdout)
+        sys.path.extend(p for p in full if p not in sys.path)  # for pytest's import here; .pth files not run
         import importlib.metadata  # noqa: F401  (entry-point plugin discovery)
 
         import _pytest.config
@@ -60,7 +61,7 @@ def preload() -> dict | None:
             __import__("_pytest." + name)
     except (OSError, ValueError, KeyError, ImportError, subprocess.SubprocessError):
         return None
-    return {**base, "exe": sys.executable}
+    return {"stdlib": stdlib, "exe": sys.executable}
 
 
 def plan(command: str, env: dict[str, str], base: dict) -> Plan | None:
@@ -87,8 +88,6 @@ def plan(command: str, env: dict[str, str], base: dict) -> Plan | None:
         return None
     ctype = full.get("LC_ALL") or full.get("LC_CTYPE") or full.get("LANG") or ""
     if not re.search(r"utf-?8", ctype, re.I):
-        return None
-    if base["user_site"] and not full.get("PYTHONNOUSERSITE") and os.path.isdir(os.path.join(full.get("HOME", "/"), ".local")):
         return None
     return Plan(words[3:], assign, exe, cpu_s, log)
 
@@ -117,18 +116,31 @@ def run(p: Plan, env: dict[str, str], base: dict) -> None:
         os.environ.clear()
         os.environ.update(full)
         if p.log:
-            out = os.open(p.log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666)
+            try:
+                out = os.open(p.log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666)
+            except OSError as e:  # as bash reports a redirection it cannot make
+                os.write(2, f"bash: {p.log}: {e.strerror}\n".encode())
+                return
             os.dup2(out, 1)
             os.dup2(out, 2)
             os.close(out)
         os.closerange(3, 65536)
         if p.cpu_s is not None:
-            resource.setrlimit(resource.RLIMIT_CPU, (p.cpu_s, resource.getrlimit(resource.RLIMIT_CPU)[1]))
+            try:
+                resource.setrlimit(resource.RLIMIT_CPU, (p.cpu_s, resource.getrlimit(resource.RLIMIT_CPU)[1]))
+            except (ValueError, OSError) as e:  # bash's ulimit fails the same way and the command still runs
+                os.write(2, f"bash: ulimit: cpu time: cannot modify limit: {e}\n".encode())
         for sig in (signal.SIGPIPE, signal.SIGXFSZ):  # as CPython sets them at start-up
             signal.signal(sig, signal.SIG_IGN)
         signal.signal(signal.SIGINT, signal.default_int_handler)
+        # sys.path and .pth hooks as a fresh start makes them: PYTHONPATH, the stdlib, then site with
+        # this environment (venv, user site, site-packages, .pth files), then `-m`'s cwd in front
         extra = full.get("PYTHONPATH")
-        sys.path[:] = [os.getcwd(), *([os.path.abspath(e) for e in extra.split(":")] if extra else []), *base["path"]]
+        sys.path[:] = [*([os.path.abspath(e) for e in extra.split(":")] if extra else []), *base["stdlib"]]
+        site.ENABLE_USER_SITE = False if full.get("PYTHONNOUSERSITE") else None
+        site.USER_BASE = site.USER_SITE = None
+        site.main()
+        sys.path.insert(0, os.getcwd())
         sys.dont_write_bytecode = bool(full.get("PYTHONDONTWRITEBYTECODE"))
         unbuffered = bool(full.get("PYTHONUNBUFFERED"))
         sys.stdin = sys.__stdin__ = open(0, closefd=False, encoding="utf-8")
@@ -136,7 +148,6 @@ def run(p: Plan, env: dict[str, str], base: dict) -> None:
         sys.stderr = sys.__stderr__ = _stream(2, "backslashreplace", True, unbuffered, io)
         for name in [n for n in sys.modules if n == "kiln" or n.startswith("kiln.")]:
             del sys.modules[name]  # the sandbox's own code may have a package of that name
-        site.setquit(), site.setcopyright(), site.sethelper()  # the builtins `python -S` lacks
         import importlib
         importlib.invalidate_caches()
         sys.argv = ["-m", *p.args]

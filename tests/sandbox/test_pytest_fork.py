@@ -13,11 +13,11 @@ from kiln.tasks.testrun import SIGXCPU_EXIT, run_tests
 
 COMMAND = "PYTHONHASHSEED=0 PYTEST_DISABLE_PLUGIN_AUTOLOAD=1 python -m pytest -rA -q -p no:cacheprovider"
 ENV = {"PATH": f"{sys.prefix}/bin:/usr/bin:/bin", "HOME": "/tmp", "LANG": "C.UTF-8", "PYTHONDONTWRITEBYTECODE": "1"}
-BASE = {"exe": sys.executable, "path": sys.path[1:], "user_site": False}
+BASE = {"exe": sys.executable, "stdlib": []}
 
 # What a test can observe of the interpreter that runs it. `sys.flags.no_site` is the one known
 # difference (the zygote runs `python -S`; site's builtins are added back), so it shows which path ran.
-PROBE = '''import builtins, json, os, signal, sys
+PROBE = '''import builtins, json, os, signal, site, sys
 
 def test_probe():
     seen = {"env": dict(os.environ), "path": sys.path, "cwd": os.getcwd(), "argv0": os.path.basename(sys.argv[0]),
@@ -25,7 +25,8 @@ def test_probe():
             "sigpipe": str(signal.getsignal(signal.SIGPIPE)), "sigint": str(signal.getsignal(signal.SIGINT)),
             "builtins": [hasattr(builtins, n) for n in ("exit", "quit", "help", "license")],
             "bytecode": sys.dont_write_bytecode, "encoding": sys.stdout.encoding, "kiln": "kiln" in sys.modules,
-            "forked": sys.flags.no_site}
+            "meta_path": [getattr(f, "__name__", type(f).__name__) for f in sys.meta_path],
+            "site": [site.ENABLE_USER_SITE, site.USER_SITE], "forked": sys.flags.no_site}
     with open("/tmp/probe.json", "w") as f:
         json.dump(seen, f)
 '''
