@@ -34,7 +34,8 @@ from kiln.engine.prefix import PrefixCache
 from kiln.engine.sampling import (
     SamplingParams,
     make_generator,
-    sample_rows,
+    policy_logprobs,
+    sample_row,
 )
 from kiln.engine.speculative import SpecStats, draft, spec_step
 
@@ -291,9 +292,9 @@ class Engine:
     def _decode(self) -> None:
         rs = self.running
         logits = self.head(self.forward(0, [[r.tokens[-1]] for r in rs], [r.length for r in rs], rs)[:, -1]).float().cpu()
-        for r, new in zip(rs, sample_rows(logits, [r.params for r in rs], [r.gen for r in rs])):
+        for i, r in enumerate(rs):
             r.length += 1
-            self.emit(r, [new], fed=1)
+            self.emit(r, [self.sample(r, logits[i])], fed=1)
 
     def draft_tokens(self, columns: list[int]) -> list[int]:
         """The token ids of columns of the drafter's logits (its vocabulary's)."""
@@ -305,7 +306,8 @@ class Engine:
 
     def sample(self, r: Request, logits: torch.Tensor) -> tuple[int, float]:
         """logits: one row on the CPU (each request's generator is a CPU generator)."""
-        return sample_rows(logits[None], [r.params], [r.gen])[0]
+        tok = sample_row(logits, r.params, r.gen)
+        return tok, float(policy_logprobs(logits, r.params.temperature)[tok])
 
     def emit(self, r: Request, new: list[tuple[int, float]], fed: int | None = None) -> None:
         """Append generated tokens (stopping at a stop token, max_tokens or the context end) and

@@ -92,26 +92,3 @@ def sample_row(logits: torch.Tensor, p: SamplingParams, gen: torch.Generator) ->
     if p.greedy:
         return argmax(logits)
     return draw(sampling_probs(logits, p), gen)
-
-
-def sample_rows(logits: torch.Tensor, params: list[SamplingParams], gens: list[torch.Generator]) -> list[tuple[int, float]]:
-    """Each row of logits [B, V] sampled by its own settings and generator, with the token's
-    policy logprob. Rows that share settings share one log-softmax and one argmax (or one
-    probability computation), so a batch pays each once, not once a row (results equal
-    sample_row's and policy_logprobs' per row)."""
-    groups: dict[tuple, list[int]] = {}
-    for i, p in enumerate(params):
-        groups.setdefault((p.temperature, p.top_k, p.top_p), []).append(i)
-    out: list = [None] * len(params)
-    for idx in groups.values():
-        p = params[idx[0]]
-        rows = logits if len(idx) == len(params) else logits[idx]
-        lps = policy_logprobs(rows, p.temperature).numpy()
-        if p.greedy:
-            toks = argmax(rows)
-        else:
-            probs = sampling_probs(rows, p)
-            toks = [draw(probs[j], gens[i]) for j, i in enumerate(idx)]
-        for j, i in enumerate(idx):
-            out[i] = (toks[j], float(lps[j, toks[j]]))
-    return out

@@ -129,23 +129,6 @@ def test_draw_follows_the_distribution_and_never_picks_a_zero():
     assert ((counts - expected).abs() <= 4 * sd + 1e-9).all(), counts
 
 
-def test_a_batch_samples_each_row_as_alone():
-    from kiln.engine.sampling import make_generator, policy_logprobs, sample_row, sample_rows
-
-    torch.manual_seed(0)
-    logits = torch.randn(8, 512) * 3
-    params = [SamplingParams(temperature=t, top_k=k, top_p=p, max_tokens=4)
-              for t, k, p in [(0, 0, 1.0), (0.7, 0, 1.0), (0.7, 0, 1.0), (1.0, 20, 0.9), (0, 0, 1.0), (0.7, 0, 1.0),
-                              (0.3, 0, 0.95), (1.0, 20, 0.9)]]
-    batched = sample_rows(logits, params, [make_generator(i) for i in range(8)])
-    alone = []
-    for i, (row, p) in enumerate(zip(logits, params)):
-        tok = sample_row(row, p, make_generator(i))
-        alone.append((tok, float(policy_logprobs(row, p.temperature)[tok])))
-    assert batched == alone  # bit for bit: the same tokens and logprobs
-    assert batched[0][0] == int(logits[0].argmax()) and len({t for t, _ in batched}) > 2
-
-
 @pytest.mark.parametrize("kw, message", [
     ({"temperature": -0.5}, r"temperature must be >= 0 \(got -0.5\)"),
     ({"top_p": 0.0}, r"top_p must be in \(0, 1\] \(got 0.0\)"),
