@@ -49,10 +49,9 @@ class SandboxConfig(Section):
     idle_timeout_s: float = Field(60.0, gt=0)  # no output for this long ends an exec
     memory_mb: int = Field(2048, ge=16)
     max_procs: int = Field(256, ge=8)
-    # Largest file size (RLIMIT_FSIZE) a process may set; 0 = no limit, the default. It caps a file's
-    # apparent size, not the disk it uses, so a low one only breaks sparse files (`truncate -s 1G`,
-    # seek + write) that tasks make; disk use is bounded anyway, as every writable place in a
-    # sandbox is a size-capped tmpfs (disk_mb for the workspace's upper layer, tmp_mb for /tmp, /dev).
+    # Largest file size (RLIMIT_FSIZE) a process may set; 0 = no limit, the default. It caps apparent
+    # size, not disk use, so a low one only breaks the sparse files tasks make (`truncate -s 1G`); disk
+    # use is bounded anyway: every writable place is a size-capped tmpfs (disk_mb, tmp_mb).
     file_size_mb: int = Field(0, ge=0)
     disk_mb: int = Field(1024, ge=1)  # size of the writable upper layer
     tmp_mb: int = Field(512, ge=1)

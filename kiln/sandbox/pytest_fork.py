@@ -22,6 +22,7 @@ import json
 import os
 import re
 import shlex
+import shutil
 import subprocess
 import sys
 from typing import NamedTuple
@@ -81,7 +82,8 @@ def plan(command: str, env: dict[str, str], base: dict) -> Plan | None:
     if words[:3] not in (["python", "-m", "pytest"], ["python3", "-m", "pytest"]) or "PATH" in assign:
         return None
     full = {**env, **assign}
-    exe = _which(words[0], full.get("PATH", ""))
+    exe = shutil.which(words[0], path=full.get("PATH", ""))
+    exe = exe and os.path.abspath(exe)
     if not exe or os.path.dirname(exe) != os.path.dirname(base["exe"]) or not os.path.samefile(exe, base["exe"]):
         return None
     if any(k.startswith("PYTHON") and k not in _APPLIED for k in full) or full.get("PYTHONHASHSEED", HASH_SEED) != HASH_SEED:
@@ -90,14 +92,6 @@ def plan(command: str, env: dict[str, str], base: dict) -> Plan | None:
     if not re.search(r"utf-?8", ctype, re.I):
         return None
     return Plan(words[3:], assign, exe, cpu_s, log)
-
-
-def _which(name: str, path: str) -> str | None:
-    for d in path.split(":"):
-        cand = os.path.join(d or ".", name)
-        if os.path.isfile(cand) and os.access(cand, os.X_OK):
-            return os.path.abspath(cand)
-    return None
 
 
 def run(p: Plan, env: dict[str, str], base: dict) -> None:
