@@ -5,9 +5,10 @@
  * each a dispatch; this does the same math (kiln/model/moe.py; also Qwen3 dense and Llama, whose
  * layers are the same block without experts or q/k norms) in one call, straight from the model's
  * own parameter memory. A call takes B sequences (cache slots) of T tokens each and streams every
- * weight once for all B x T tokens: each weight row is loaded once and its dot products with up to
- * four input vectors are computed together from registers, and the MoE groups the call's tokens by
- * expert, so an expert's weights are read once whichever rows chose it.
+ * weight once for all B x T tokens: each weight row is loaded from memory once and its dot products
+ * with every input vector are computed before the next row (up to four together from registers
+ * with AVX-512; one at a time, the row staying in L1, where there are fewer registers), and the MoE
+ * groups the call's tokens by expert, so an expert's weights are read once whichever rows chose it.
  *
  * Every output keeps one fixed accumulation order, whatever else shares the call: a dot product
  * is the same sequence of vector FMAs whether its row is paired with one input or four, a token's
@@ -21,8 +22,7 @@
  * BF16's dot-product instruction would also round the activations to bf16).
  *
  * Built by kiln/engine/native.py with the system C compiler; no Python or torch headers. The
- * vectors are GCC/Clang vector extensions (AVX-512 where -march=native has it, otherwise the
- * compiler splits them into what the CPU has).
+ * vectors are GCC/Clang vector extensions of the CPU's widest registers (VW below).
  */
 #define _GNU_SOURCE /* sched_getaffinity */
 #include <math.h>
@@ -49,28 +49,45 @@ typedef struct {
     const void **eh_proj;                     /* MTP layers only: [D, 2D] */
 } Model;
 
-typedef float v16 __attribute__((vector_size(64)));
+/* Vectors are the widest the target has (VW floats: AVX-512, AVX or 128-bit SSE/NEON); wider generic
+ * vectors than the target's registers are kept in memory by GCC, which made every product here
+ * ~10x slower on AVX2. The arithmetic is defined over 16-float chunks, each PARTS native vectors, and
+ * every lane does the same operations in the same order whatever VW is: sums across lanes use
+ * one fixed tree over the 16 lanes (hsum), so results do not depend on the vector width. */
+#if defined(KILN_VW) /* a test forces another width: 4, 8 or 16 (wider than the CPU's is emulated) */
+#define VW KILN_VW
+#elif defined(__AVX512F__)
+#define VW 16
+#elif defined(__AVX__)
+#define VW 8
+#else
+#define VW 4
+#endif
+#define PARTS (16 / VW)
+typedef float vf __attribute__((vector_size(VW * 4)));
+typedef int32_t vi __attribute__((vector_size(VW * 4)));
+typedef uint16_t vh __attribute__((vector_size(VW * 2)));
 typedef float v8 __attribute__((vector_size(32)));
 typedef float v4 __attribute__((vector_size(16)));
-typedef int32_t v16i __attribute__((vector_size(64)));
-typedef uint16_t v16h __attribute__((vector_size(32)));
 #define INLINE static inline __attribute__((always_inline))
-#define MAX_BLOCK 4 /* input vectors sharing one pass over a weight row */
+/* input vectors sharing one pass over a weight row: their 4 x PARTS accumulators each stay in
+ * registers (32 with AVX-512, 16 with AVX); a row reread from L1 for the next input costs little */
+#define MAX_BLOCK (VW == 16 ? 4 : 1)
 
-INLINE v16 load16(const float *p) {
-    v16 x;
+INLINE vf loadv(const float *p) {
+    vf x;
     memcpy(&x, p, sizeof x);
     return x;
 }
 
-INLINE void store16(float *p, v16 x) { memcpy(p, &x, sizeof x); }
+INLINE void storev(float *p, vf x) { memcpy(p, &x, sizeof x); }
 
-/* 16 weights from element i of an fp32 (BF = 0) or bf16 (BF = 1) matrix, as fp32. */
-INLINE v16 loadw(const void *w, int64_t i, const int BF) {
-    if (!BF) return load16((const float *)w + i);
-    v16h h;
+/* VW weights from element i of an fp32 (BF = 0) or bf16 (BF = 1) matrix, as fp32. */
+INLINE vf loadw(const void *w, int64_t i, const int BF) {
+    if (!BF) return loadv((const float *)w + i);
+    vh h;
     memcpy(&h, (const uint16_t *)w + i, sizeof h);
-    return (v16)(__builtin_convertvector(h, v16i) << 16);
+    return (vf)(__builtin_convertvector(h, vi) << 16);
 }
 
 INLINE float weight_at(const void *w, int64_t i, const int BF) {
@@ -86,45 +103,53 @@ INLINE const void *weight_ptr(const void *w, int64_t i, int bf) {
     return (const char *)w + i * (bf ? 2 : 4);
 }
 
-INLINE v16 select16(v16i mask, v16 a, v16 b) { return (v16)(((v16i)a & mask) | ((v16i)b & ~mask)); }
+INLINE vf selectv(vi mask, vf a, vf b) { return (vf)(((vi)a & mask) | ((vi)b & ~mask)); }
 
-INLINE float hsum16(v16 s) {
-    v8 a = __builtin_shufflevector(s, s, 0, 1, 2, 3, 4, 5, 6, 7) + __builtin_shufflevector(s, s, 8, 9, 10, 11, 12, 13, 14, 15);
+/* The sum of a 16-float chunk held as PARTS vectors: lanes l and l + 8, then l and l + 4, then
+ * l and l + 2, then the pair. */
+INLINE float hsum(const vf *s) {
+#if VW == 16
+    v8 a = __builtin_shufflevector(s[0], s[0], 0, 1, 2, 3, 4, 5, 6, 7) + __builtin_shufflevector(s[0], s[0], 8, 9, 10, 11, 12, 13, 14, 15);
     v4 b = __builtin_shufflevector(a, a, 0, 1, 2, 3) + __builtin_shufflevector(a, a, 4, 5, 6, 7);
+#elif VW == 8
+    v8 a = s[0] + s[1];
+    v4 b = __builtin_shufflevector(a, a, 0, 1, 2, 3) + __builtin_shufflevector(a, a, 4, 5, 6, 7);
+#else
+    v4 b = (s[0] + s[2]) + (s[1] + s[3]);
+#endif
     return (b[0] + b[2]) + (b[1] + b[3]);
 }
 
 /* out[v * os] = w . x_v for v < NV, x_v = x + v * xs, each over n floats (w fp32 or, BF, bf16). Per v
- * the arithmetic is fixed (four accumulators over 64-float strides, then 16-float steps, a fixed
- * reduction, a scalar tail), so the result does not depend on NV or on which other vectors share
- * the pass. */
+ * the arithmetic is fixed (four 16-float accumulators over 64-float strides, then 16-float steps, a
+ * fixed reduction, a scalar tail), so the result does not depend on NV or on which other vectors
+ * share the pass. */
 INLINE void dotv(const void *w, const int BF, const float *x, int64_t xs, const int NV, int n, float *out,
                  int64_t os) {
-    v16 acc[MAX_BLOCK][4];
+    vf acc[MAX_BLOCK][4 * PARTS];
     for (int v = 0; v < NV; v++)
-        for (int j = 0; j < 4; j++) acc[v][j] = (v16){0};
+        for (int j = 0; j < 4 * PARTS; j++) acc[v][j] = (vf){0};
     int i = 0;
-    for (; i + 64 <= n; i += 64) {
-        v16 w0 = loadw(w, i, BF), w1 = loadw(w, i + 16, BF), w2 = loadw(w, i + 32, BF), w3 = loadw(w, i + 48, BF);
-        for (int v = 0; v < NV; v++) {
-            const float *xv = x + v * xs + i;
-            acc[v][0] += w0 * load16(xv);
-            acc[v][1] += w1 * load16(xv + 16);
-            acc[v][2] += w2 * load16(xv + 32);
-            acc[v][3] += w3 * load16(xv + 48);
+    for (; i + 64 <= n; i += 64)
+        for (int j = 0; j < 4 * PARTS; j++) {
+            vf wj = loadw(w, i + j * VW, BF);
+            for (int v = 0; v < NV; v++) acc[v][j] += wj * loadv(x + v * xs + i + j * VW);
         }
-    }
-    for (; i + 16 <= n; i += 16) {
-        v16 w0 = loadw(w, i, BF);
-        for (int v = 0; v < NV; v++) acc[v][0] += w0 * load16(x + v * xs + i);
-    }
+    for (; i + 16 <= n; i += 16)
+        for (int j = 0; j < PARTS; j++) {
+            vf wj = loadw(w, i + j * VW, BF);
+            for (int v = 0; v < NV; v++) acc[v][j] += wj * loadv(x + v * xs + i + j * VW);
+        }
     /* The scalar tail reads fp32 either way: bf16 weights widened into a buffer first (converting
      * inside the loop let GCC vectorise it, rounding each product before the in-order sum). */
     float tail[16];
     const float *wt = BF ? tail : (const float *)w + i;
     for (int k = i; BF && k < n; k++) tail[k - i] = weight_at(w, k, BF);
     for (int v = 0; v < NV; v++) {
-        float r = hsum16((acc[v][0] + acc[v][1]) + (acc[v][2] + acc[v][3]));
+        vf s[PARTS];
+        for (int j = 0; j < PARTS; j++)
+            s[j] = (acc[v][j] + acc[v][PARTS + j]) + (acc[v][2 * PARTS + j] + acc[v][3 * PARTS + j]);
+        float r = hsum(s);
         for (int k = i; k < n; k++) r += wt[k - i] * x[v * xs + k];
         out[v * os] = r;
     }
@@ -132,13 +157,16 @@ INLINE void dotv(const void *w, const int BF, const float *x, int64_t xs, const 
 
 INLINE void dots_as(const void *w, const int BF, const float *x, int64_t xs, int nv, int n, float *out,
                     int64_t os) {
-    for (; nv >= 4; nv -= 4, x += 4 * xs, out += 4 * os) dotv(w, BF, x, xs, 4, n, out, os);
+    for (; nv >= MAX_BLOCK; nv -= MAX_BLOCK, x += MAX_BLOCK * xs, out += MAX_BLOCK * os)
+        dotv(w, BF, x, xs, MAX_BLOCK, n, out, os);
+#if MAX_BLOCK == 4
     switch (nv) {
     case 3: dotv(w, BF, x, xs, 3, n, out, os); break;
     case 2: dotv(w, BF, x, xs, 2, n, out, os); break;
     case 1: dotv(w, BF, x, xs, 1, n, out, os); break;
     default: break;
     }
+#endif
 }
 
 /* dots_as over an fp32 or a bf16 row, each instantiated once. */
@@ -156,29 +184,29 @@ static float dot(const float *a, const float *b, int n) {
     return r;
 }
 
-/* Cephes' expf on 16 lanes (about 1 ulp); inputs below -87.3 give 0. */
-INLINE v16 exp16(v16 x) {
-    const v16 hi = (v16){0} + 88.3762626647949f, lo = (v16){0} + -87.3365478515625f;
-    v16i under = x < lo;
-    x = select16(x > hi, hi, x);
-    x = select16(under, lo, x);
-    v16 fx = x * 1.44269504088896341f + 0.5f;
-    v16i fi = __builtin_convertvector(fx, v16i);
-    v16 t = __builtin_convertvector(fi, v16);
-    v16i adjust = t > fx;
-    t -= (v16)((v16i)((v16){0} + 1.f) & adjust); /* floor */
+/* Cephes' expf on each lane (about 1 ulp); inputs below -87.3 give 0. */
+INLINE vf expv(vf x) {
+    const vf hi = (vf){0} + 88.3762626647949f, lo = (vf){0} + -87.3365478515625f;
+    vi under = x < lo;
+    x = selectv(x > hi, hi, x);
+    x = selectv(under, lo, x);
+    vf fx = x * 1.44269504088896341f + 0.5f;
+    vi fi = __builtin_convertvector(fx, vi);
+    vf t = __builtin_convertvector(fi, vf);
+    vi adjust = t > fx;
+    t -= (vf)((vi)((vf){0} + 1.f) & adjust); /* floor */
     x = x - t * 0.693359375f;
     x = x - t * -2.12194440e-4f;
-    v16 z = x * x;
-    v16 y = 1.9875691500E-4f * x + 1.3981999507E-3f;
+    vf z = x * x;
+    vf y = 1.9875691500E-4f * x + 1.3981999507E-3f;
     y = y * x + 8.3334519073E-3f;
     y = y * x + 4.1665795894E-2f;
     y = y * x + 1.6666665459E-1f;
     y = y * x + 5.0000001201E-1f;
     y = y * z + x + 1.f;
-    v16i e = (__builtin_convertvector(t, v16i) + 127) << 23;
-    v16 r = y * (v16)e;
-    return (v16)((v16i)r & ~under);
+    vi e = (__builtin_convertvector(t, vi) + 127) << 23;
+    vf r = y * (vf)e;
+    return (vf)((vi)r & ~under);
 }
 
 /* ---- a helper thread for the larger pieces of work -------------------------------------------
@@ -297,11 +325,28 @@ static void parallel(RangeFn fn, void *ctx, int n, int64_t work) {
 /* ---- products ---------------------------------------------------------------------------------- */
 typedef struct { const void *w; const float *x; float *y; int cols, N, bf; int64_t xs, ys; } Product;
 
+/* out [n] = row i of the weight matrix w ([.., n]; bf: bf16) as fp32. */
+static void weight_row(const void *w, int bf, int64_t i, int n, float *out) {
+    const void *row = weight_ptr(w, i * n, bf);
+    if (!bf) {
+        memcpy(out, row, (size_t)n * sizeof(float));
+        return;
+    }
+    for (int j = 0; j < n; j++) out[j] = weight_at(row, j, 1);
+}
+
 static void product_rows(void *c, int r0, int r1) {
     const Product *a = c;
+    /* A bf16 row that several passes read is widened once (exact, so the same bits as widening
+     * each load), rather than once per pass. */
+    const int widen = a->bf && a->N > MAX_BLOCK;
+    float wide[widen ? a->cols : 1];
     for (int r = r0; r < r1; r++) {
         const void *row = weight_ptr(a->w, (int64_t)r * a->cols, a->bf);
-        if (a->bf) dots_bf16(row, a->x, a->xs, a->N, a->cols, a->y + r, a->ys);
+        if (widen) {
+            weight_row(a->w, 1, r, a->cols, wide);
+            dots(wide, a->x, a->xs, a->N, a->cols, a->y + r, a->ys);
+        } else if (a->bf) dots_bf16(row, a->x, a->xs, a->N, a->cols, a->y + r, a->ys);
         else dots(row, a->x, a->xs, a->N, a->cols, a->y + r, a->ys);
     }
 }
@@ -315,16 +360,6 @@ static void matmul(const Model *m, const void *w, const float *x, int64_t xs, fl
     parallel(product_rows, &a, rows, floats >= SPLIT_MIN_WORK || floats * N >= 4 * SPLIT_MIN_WORK ? floats : 0);
 }
 
-/* out [n] = row i of the model's weight matrix w ([.., n]: an embedding), as fp32. */
-static void weight_row(const Model *m, const void *w, int64_t i, int n, float *out) {
-    const void *row = weight_ptr(w, i * n, m->wbf16);
-    if (!m->wbf16) {
-        memcpy(out, row, (size_t)n * sizeof(float));
-        return;
-    }
-    for (int j = 0; j < n; j++) out[j] = weight_at(row, j, 1);
-}
-
 static void rms_norm(const float *x, const float *w, float *out, int n, float eps) {
     float ss = dot(x, x, n);
     float scale = 1.f / sqrtf(ss / n + eps);
@@ -334,10 +369,11 @@ static void rms_norm(const float *x, const float *w, float *out, int n, float ep
 /* out[i] = silu(g[i]) * u[i] */
 static void swiglu(const float *g, const float *u, float *out, int n) {
     int i = 0;
-    for (; i + 16 <= n; i += 16) {
-        v16 x = load16(g + i);
-        store16(out + i, x / (1.f + exp16(-x)) * load16(u + i));
-    }
+    for (; i + 16 <= n; i += 16)  /* 16-float chunks whatever VW is: the tail is scalar expf */
+        for (int j = i; j < i + 16; j += VW) {
+            vf x = loadv(g + j);
+            storev(out + j, x / (1.f + expv(-x)) * loadv(u + j));
+        }
     for (; i < n; i++) out[i] = g[i] / (1.f + expf(-g[i])) * u[i];
 }
 
@@ -404,20 +440,20 @@ typedef struct {
  * query's own context are exactly 0 (adding 0 * v leaves a sum of positive terms unchanged). */
 INLINE void attend_out(const int NB, const int C, const float *e, int64_t ld, const float *vh, int n,
                        const float *sums, float *const *outs) {
-    v16 acc[4][8];
+    vf acc[4][8 * PARTS];
     for (int i = 0; i < NB; i++)
-        for (int c = 0; c < C; c++) acc[i][c] = (v16){0};
+        for (int c = 0; c < C * PARTS; c++) acc[i][c] = (vf){0};
     for (int p = 0; p < n; p++) {
         const float *vp = vh + (int64_t)p * C * 16;
-        v16 vv[8];
-        for (int c = 0; c < C; c++) vv[c] = load16(vp + 16 * c);
+        vf vv[8 * PARTS];
+        for (int c = 0; c < C * PARTS; c++) vv[c] = loadv(vp + VW * c);
         for (int i = 0; i < NB; i++) {
             float w = e[i * ld + p];
-            for (int c = 0; c < C; c++) acc[i][c] += w * vv[c];
+            for (int c = 0; c < C * PARTS; c++) acc[i][c] += w * vv[c];
         }
     }
     for (int i = 0; i < NB; i++)
-        for (int c = 0; c < C; c++) store16(outs[i] + 16 * c, acc[i][c] / sums[i]);
+        for (int c = 0; c < C * PARTS; c++) storev(outs[i] + VW * c, acc[i][c] / sums[i]);
 }
 
 static void attend_out_any(int nb, int hd, const float *e, int64_t ld, const float *vh, int n, const float *sums,
@@ -441,17 +477,19 @@ static void attend_out_any(int nb, int hd, const float *e, int64_t ld, const flo
 }
 
 /* Scores of one query (C 16-float chunks, in registers) against 16 consecutive keys of hd floats:
- * lane p holds q . k_p. Each key's 16 lane products are summed by the same tree (lanes l and l + 8,
- * then l and l + 4, then l and l + 2, then the pair), whichever lane it lands in, so a score does
- * not depend on the position of its block or on the other keys. */
-INLINE v16 scores16(const int C, const v16 *q, const float *k, int hd) {
-    v16 c[8], d[4], e[2];
+ * scores[p] = q . k_p. Each key's 16 lane products are summed by hsum's tree (lanes l and l + 8,
+ * then l and l + 4, then l and l + 2, then the pair), here for many keys at once by shuffles that
+ * add the same pairs, so a score does not depend on the position of its block or on the other
+ * keys. */
+INLINE void scores16(const int C, const vf *q, const float *k, int hd, float scale, float *scores) {
+#if VW == 16
+    vf c[8], d[4], e[2];
     for (int j = 0; j < 8; j++) {
         const float *k0 = k + (int64_t)(2 * j) * hd, *k1 = k0 + hd;
-        v16 a0 = q[0] * load16(k0), a1 = q[0] * load16(k1);
+        vf a0 = q[0] * loadv(k0), a1 = q[0] * loadv(k1);
         for (int cc = 1; cc < C; cc++) {
-            a0 += q[cc] * load16(k0 + 16 * cc);
-            a1 += q[cc] * load16(k1 + 16 * cc);
+            a0 += q[cc] * loadv(k0 + 16 * cc);
+            a1 += q[cc] * loadv(k1 + 16 * cc);
         }
         c[j] = __builtin_shufflevector(a0, a1, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23)
              + __builtin_shufflevector(a0, a1, 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
@@ -462,8 +500,40 @@ INLINE v16 scores16(const int C, const v16 *q, const float *k, int hd) {
     for (int j = 0; j < 2; j++)
         e[j] = __builtin_shufflevector(d[2 * j], d[2 * j + 1], 0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29)
              + __builtin_shufflevector(d[2 * j], d[2 * j + 1], 2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31);
-    return __builtin_shufflevector(e[0], e[1], 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30)
-         + __builtin_shufflevector(e[0], e[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+    storev(scores, (__builtin_shufflevector(e[0], e[1], 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30)
+                    + __builtin_shufflevector(e[0], e[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31)) * scale);
+#elif VW == 8
+    for (int half = 0; half < 2; half++) {  /* 8 keys a pass: c holds lanes l + (l + 8) of key j */
+        v8 c[8], d[4], e[2];
+        for (int j = 0; j < 8; j++) {
+            const float *kj = k + (int64_t)(8 * half + j) * hd;
+            vf lo = q[0] * loadv(kj), hi = q[1] * loadv(kj + 8);
+            for (int cc = 1; cc < C; cc++) {
+                lo += q[2 * cc] * loadv(kj + 16 * cc);
+                hi += q[2 * cc + 1] * loadv(kj + 16 * cc + 8);
+            }
+            c[j] = lo + hi;
+        }
+        for (int j = 0; j < 4; j++)
+            d[j] = __builtin_shufflevector(c[2 * j], c[2 * j + 1], 0, 1, 2, 3, 8, 9, 10, 11)
+                 + __builtin_shufflevector(c[2 * j], c[2 * j + 1], 4, 5, 6, 7, 12, 13, 14, 15);
+        for (int j = 0; j < 2; j++)
+            e[j] = __builtin_shufflevector(d[2 * j], d[2 * j + 1], 0, 1, 4, 5, 8, 9, 12, 13)
+                 + __builtin_shufflevector(d[2 * j], d[2 * j + 1], 2, 3, 6, 7, 10, 11, 14, 15);
+        storev(scores + 8 * half, (__builtin_shufflevector(e[0], e[1], 0, 2, 4, 6, 8, 10, 12, 14)
+                                   + __builtin_shufflevector(e[0], e[1], 1, 3, 5, 7, 9, 11, 13, 15)) * scale);
+    }
+#else
+    for (int p = 0; p < 16; p++) {
+        const float *kp = k + (int64_t)p * hd;
+        vf s[PARTS];
+        for (int j = 0; j < PARTS; j++) {
+            s[j] = q[j] * loadv(kp + VW * j);
+            for (int cc = 1; cc < C; cc++) s[j] += q[cc * PARTS + j] * loadv(kp + 16 * cc + VW * j);
+        }
+        scores[p] = hsum(s) * scale;
+    }
+#endif
 }
 
 /* e[i * ld + p] = scale * (q_i . k_p) for the NQ queries qs [NQ, hd] and keys p < n of kh; the last
@@ -478,9 +548,9 @@ INLINE void scores_all(const int C, const float *qs, int NQ, const float *kh, in
             k = pad;
         }
         for (int i = 0; i < NQ; i++) {
-            v16 q[8];
-            for (int cc = 0; cc < C; cc++) q[cc] = load16(qs + (int64_t)i * hd + 16 * cc);
-            store16(e + i * ld + p0, scores16(C, q, k, hd) * scale);
+            vf q[8 * PARTS];
+            for (int cc = 0; cc < C * PARTS; cc++) q[cc] = loadv(qs + (int64_t)i * hd + VW * cc);
+            scores16(C, q, k, hd, scale, e + i * ld + p0);
         }
     }
 }
@@ -514,20 +584,21 @@ static void attend_units(void *c, int lo, int hi) {
             float *s = e + i * ld;
             const int n = pos0 + i / G + 1, padded = (int)round16(n);
             for (int p = n; p < padded; p++) s[p] = -INFINITY;
-            v16 mx = load16(s);
-            for (int p = 16; p < padded; p += 16) {
-                v16 x = load16(s + p);
-                mx = select16(x > mx, x, mx);
+            vf mx = loadv(s);
+            for (int p = VW; p < padded; p += VW) {
+                vf x = loadv(s + p);
+                mx = selectv(x > mx, x, mx);
             }
             float m = mx[0];
-            for (int l = 1; l < 16; l++) m = mx[l] > m ? mx[l] : m;
-            v16 acc = {0};
-            for (int p = 0; p < padded; p += 16) {
-                v16 x = exp16(load16(s + p) - m);
-                store16(s + p, x);
-                acc += x;
-            }
-            sums[i] = hsum16(acc);
+            for (int l = 1; l < VW; l++) m = mx[l] > m ? mx[l] : m;
+            vf acc[PARTS] = {0};
+            for (int p = 0; p < padded; p += 16)
+                for (int j = 0; j < PARTS; j++) {
+                    vf x = expv(loadv(s + p + VW * j) - m);
+                    storev(s + p + VW * j, x);
+                    acc[j] += x;
+                }
+            sums[i] = hsum(acc);
             for (int p = padded; p < nmax; p++) s[p] = 0.f;
         }
         for (int i0 = 0; i0 < NQ; i0 += 4) {
@@ -680,7 +751,7 @@ void kiln_trunk(const Model *m, int B, int T, const int64_t *ids, const int32_t 
     const int D = m->dim, K = m->top_k, N = B * T;
     int n_moe = 0;
     for (int l = 0; l < m->n_layers; l++) n_moe += m->router[l] != NULL;
-    for (int n = 0; n < N; n++) weight_row(m, m->embed, ids[n], D, hidden + (int64_t)n * D);
+    for (int n = 0; n < N; n++) weight_row(m->embed, m->wbf16, ids[n], D, hidden + (int64_t)n * D);
     Batch bt = {B, T, max_len, pos0, k_cache, v_cache, slot_stride};
     rope_tables(m, &bt, scratch + layout(m, B, T).rope);
     for (int l = 0, moe_i = 0; l < m->n_layers; l++) {
@@ -703,7 +774,7 @@ void kiln_mtp_layer(const Model *m, int l, int B, int T, const float *h_in, cons
     for (int n = 0; n < N; n++) {
         rms_norm(h_in + (int64_t)n * D, m->hnorm[l], cat + (int64_t)n * 2 * D, D, m->eps);
         float *e = cat + (int64_t)n * 2 * D + D;
-        weight_row(m, m->embed, ids[n], D, e);
+        weight_row(m->embed, m->wbf16, ids[n], D, e);
         rms_norm(e, m->enorm[l], e, D, m->eps);  /* elementwise after the sum: in place is safe */
     }
     matmul(m, m->eh_proj[l], cat, 2 * D, out, D, D, 2 * D, N);

@@ -14,7 +14,7 @@ import torch
 from kiln.engine import Engine, SamplingParams
 from kiln.engine.fast import FastTrunk
 from kiln.engine.kvcache import KVCache
-from kiln.engine.native import FLAGS, NativeTrunk, build, library
+from kiln.engine.native import DTYPES, FLAGS, NativeTrunk, build, library
 from kiln.model.config import ModelConfig
 from kiln.model.moe import MoeForCausalLM
 from kiln.model.mtp import MTP
@@ -128,19 +128,21 @@ def test_a_bf16_sampler_needs_an_fp32_model():
         Engine(tiny_model(0)[0], weight_dtype=torch.float16)
 
 
-@pytest.mark.slow  # compiles a second library (~15 s on the loaded 2-core machine)
+@pytest.mark.parametrize("width", [4, 8, 16])
 @torch.inference_mode()
-def test_the_build_without_avx512_reads_bf16_the_same_way():
-    # Where the CPU has no AVX-512 the same vector code compiles to narrower registers (and, without
-    # FMA, separate multiplies and adds): the bf16 step agrees with this machine's build to fp32 rounding.
-    portable = build(FLAGS + ["-mno-avx512f"])
-    assert portable is not None
-    model, mtp = odd_model(1)
+def test_every_vector_width_computes_the_same_bits(width):
+    # native.c defines its arithmetic on 16-float chunks, whatever registers hold them: builds for
+    # 128-bit, AVX and AVX-512 registers (KILN_VW; a width the CPU lacks is emulated by the
+    # compiler) give the same bits, with fp32 and bf16 weights, heads of 16 and of 64 (the tiny
+    # preset's), the MTP layers included.
+    narrow = build(FLAGS + [f"-DKILN_VW={width}"])
+    assert narrow is not None
     ids = torch.randint(0, 300, (2, 16), generator=torch.Generator().manual_seed(2))
-    got = run(NativeTrunk(model, portable, 64, mtp, dtype=torch.bfloat16), ids, mtp=True)
-    want = run(NativeTrunk(model, library(), 64, mtp, dtype=torch.bfloat16), ids, mtp=True)
-    for a, b in zip(got, want):
-        if a.is_floating_point():
-            torch.testing.assert_close(a, b, atol=2e-5, rtol=1e-5)
-        else:
-            assert torch.equal(a, b)
+    torch.manual_seed(3)
+    cfg = ModelConfig.from_depth(2, vocab_size=300, hidden_size=128, num_attention_heads=4, num_key_value_heads=2,
+                                 head_dim=64, moe_intermediate_size=96, max_position_embeddings=256)
+    for model, mtp in (odd_model(1), (MoeForCausalLM(cfg).eval(), MTP(cfg, depth=1).eval())):
+        for dtype in DTYPES:
+            got = run(NativeTrunk(model, narrow, 64, mtp, dtype=dtype), ids, mtp=True)
+            want = run(NativeTrunk(model, library(), 64, mtp, dtype=dtype), ids, mtp=True)
+            assert all(torch.equal(a, b) for a, b in zip(got, want))
