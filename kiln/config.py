@@ -110,8 +110,8 @@ class HarnessConfig(Section):
 class PolicyConfig(Section):
     kind: Literal["openai", "oracle", "scripted", "local"] = "openai"
     checkpoint: str = ""  # local: a kiln checkpoint directory (model, MTP drafter, tokenizer)
-    # local: draft with the checkpoint's MTP. Off by default: on agent turns it costs more than it saves
-    # (0.68x plain decoding: it re-reads each whole prompt), though ~1.3x on long generations (docs).
+    # local: draft with the checkpoint's MTP. Off by default: on agent turns on 2 CPU cores it decoded at
+    # 0.81-0.91x plain, prefix reuse in both (benchmarks/agent_turns.py), though ~1.3x on long generations (docs).
     speculative: bool = False
     base_url: str = "http://127.0.0.1:8000/v1"  # any OpenAI-compatible chat-completions endpoint
     model: str = "kiln"
@@ -301,6 +301,10 @@ class RLConfig(Section):
     trainer_cpus: list[int] = []
     worker_cpus: list[int] = []
     temperature: float = Field(0.7, gt=0)  # sampling; the bench evaluates at policy.temperature
+    # Workers draft with the start checkpoint's MTP (speculative decoding, prefix reuse kept; RL does
+    # not train the drafter, so acceptance may fall as the policy moves; samples stay exact). Off: on
+    # agent turns on 2 CPU cores it decoded at 0.81-0.91x plain (benchmarks/agent_turns.py).
+    speculative: bool = False
     lr: float = Field(1e-5, gt=0)  # Adam, constant
     # false: the token embedding and the output head (one matrix when tied) stay as SFT left them, every
     # other weight trains. Adam moves every vocabulary row by about lr a step, rows the rollouts never

@@ -25,6 +25,7 @@ from kiln.engine.fast import supports as fast_supports
 from kiln.engine.kvcache import KVCache
 from kiln.engine.native import (
     MAX_TOKENS,
+    NATIVE_PREFILL,
     NativeTrunk,
     family_supported,
     library,
@@ -42,9 +43,6 @@ from kiln.engine.speculative import SpecStats, draft, spec_step
 # Up to this many sequences decode in one native.c call (each weight streamed once for all of them);
 # more share torch's batched matmuls.
 NATIVE_MAX_BATCH = 64
-# Prefills up to this many tokens go through native.c, MAX_TOKENS a call: faster than torch's up
-# to ~128 new tokens (docs: "Engine"); longer ones are matrix-matrix work, where torch wins.
-NATIVE_PREFILL = 128
 DRAFT_SHARE = 8  # the MTP drafter proposes from its 1/8 most frequent training tokens (docs: "Speculative decoding")
 log = logging.getLogger(__name__)
 
@@ -84,6 +82,7 @@ class Request:
     drafts: list[int] = field(default_factory=list)  # speculative: tokens proposed by MTP
     draft_probs: list[torch.Tensor | None] = field(default_factory=list)
     mtp_tail: torch.Tensor | None = None  # main hidden rows of the last MTP-depth - 1 fed positions
+    drafted: int = 0  # leading positions whose MTP-cache entries read only known tokens (prefix reuse keeps them)
 
     def wait(self, timeout: float | None = None) -> Completion:
         if not self.done.wait(timeout):
@@ -105,9 +104,6 @@ class Engine:
         rounded to bf16 in place, here and at every weight update; the native step reads bf16 copies
         of the weight matrices, torch (prefills) the rounded fp32 values, activations stay fp32."""
         cfg = model.config
-        if prefix_slots and mtp is not None:
-            raise ValueError("prefix reuse does not cover the MTP drafter's cache yet: give prefix_slots=0 "
-                             "with an MTP module, or decode without it")
         if weight_dtype not in (torch.float32, torch.bfloat16):
             raise ValueError(f"weight_dtype must be torch.float32 or torch.bfloat16, not {weight_dtype}")
         p = next(model.parameters())
@@ -123,7 +119,7 @@ class Engine:
                              cfg.head_dim, self.dtype, self.device)
         self.mtp_cache = None if mtp is None else KVCache(
             mtp.depth, max_batch, self.max_len, cfg.num_key_value_heads, cfg.head_dim, self.dtype, self.device)
-        self.prefix = PrefixCache(prefix_slots, self.cache) if prefix_slots > 0 else None
+        self.prefix = PrefixCache(prefix_slots, self.cache, drafter=self.mtp_cache) if prefix_slots > 0 else None
         self.default_stop_ids = _stop_ids(tokenizer, cfg)
         self.fast = FastTrunk(model) if self.dtype == torch.float32 and fast_supports(model) else None
         # Few sequences on the CPU: native.c's step (no per-op dispatch); `native=False` opts out.
@@ -258,13 +254,14 @@ class Engine:
             self.running.append(r)
             done = 0
             if self.prefix is not None:
-                done, routes = self.prefix.restore(r.prompt_ids, self.cache, slot)
+                done, routes = self.prefix.restore(r.prompt_ids, self.cache, slot, self.mtp_cache)
                 r.route_prefix = routes if self.capture_routes else []
+                r.drafted = done
             hidden = self.forward(slot, [r.prompt_ids[done:]], [done], [r])
             r.length = len(r.prompt_ids)
             self.emit(r, [self.sample(r, self.head(hidden[0, -1]).float().cpu())])
             if self.mtp is not None and r.finish_reason is None:
-                draft(self, slot, [r], hidden, start_positions=[0], n_valid=[r.length])
+                draft(self, slot, [r], hidden, start_positions=[done], n_valid=[r.length - done])
 
     def forward(self, start: int, ids: list[list[int]], starts: list[int], reqs: list[Request]):
         """The main trunk over slots start.. with the cache -> hidden states [B, T, D]; row b holds
@@ -346,7 +343,8 @@ class Engine:
             slot, last = self.running.index(r), len(self.running) - 1
             routes = self._route_list(r)
             if self.prefix is not None:  # the cache holds the prompt and every token but the last
-                self.prefix.park(self.cache, slot, (r.prompt_ids + r.tokens)[:r.length], routes)
+                self.prefix.park(self.cache, slot, (r.prompt_ids + r.tokens)[:r.length], routes, self.mtp_cache,
+                                 r.drafted)
             if slot != last:  # keep running sequences in slots 0..n-1
                 moved = self.running[last]
                 self.cache.move(last, slot, moved.length)

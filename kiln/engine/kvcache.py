@@ -68,5 +68,9 @@ class KVCache:
 
     def move(self, src: int, dst: int, length: int) -> None:
         """Copy slot src's first `length` positions into slot dst (compaction after a finish)."""
-        self.k[:, dst, :, :length] = self.k[:, src, :, :length]
-        self.v[:, dst, :, :length] = self.v[:, src, :, :length]
+        self.move_from(self, src, dst, length)
+
+    def move_from(self, other: KVCache, src: int, dst: int, length: int) -> None:
+        """Copy `other`'s slot src's first `length` positions into this cache's slot dst."""
+        self.k[:, dst, :, :length] = other.k[:, src, :, :length]
+        self.v[:, dst, :, :length] = other.v[:, src, :, :length]

@@ -10,7 +10,7 @@ decodes with `FastTrunk` as before.
 The engine uses it for forwards of at most `MAX_TOKENS` tokens per sequence (decoding and
 speculative verification, so both take the same per-token arithmetic) over a batch of up to
 engine.NATIVE_MAX_BATCH sequences in one call, each weight read once for all of them; prefills
-up to engine.NATIVE_PREFILL tokens take it MAX_TOKENS a call, longer ones go through torch, where
+up to NATIVE_PREFILL tokens take it MAX_TOKENS a call, longer ones go through torch, where
 matrix-matrix products win.
 """
 from __future__ import annotations
@@ -32,6 +32,9 @@ from kiln.model.causal_lm import CausalLM
 from kiln.model.moe import MoeBlock
 
 MAX_TOKENS = 16
+# Prefills up to this many tokens go through native.c, MAX_TOKENS a call: faster than torch's up
+# to ~128 new tokens (docs: "Engine"); longer ones are matrix-matrix work, where torch wins.
+NATIVE_PREFILL = 128
 SOURCE = Path(__file__).with_name("native.c")
 FLAGS = ["-O3", "-march=native", "-fPIC", "-shared", "-pthread"]
 _P = ctypes.POINTER(ctypes.c_float)

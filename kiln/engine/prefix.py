@@ -8,6 +8,11 @@ from one prompt. Without reuse every turn prefills the whole conversation again.
 Entries live in a KV cache of their own, least recently used evicted. A hit is copied into the
 request's running slot (never shared), so running sequences keep slots 0..n-1 and an entry
 outlives the request that reused it (the other rollouts of a group want it too).
+
+With an MTP drafter the entry also keeps the drafter's cache. Its layer k's entry at position i
+read token i + k, so for a new prompt that shares the first m tokens it holds only below m - D
+(D layers), and only where the kept sequence had drafted with known tokens. A hit restores both
+caches that far; the trunk recomputes the rest, whose hidden states the drafter's layers read.
 """
 from __future__ import annotations
 
@@ -26,20 +31,22 @@ class _Entry:
     # request does not convert them again: ~5 ms at 2,500 positions), when the engine captures them.
     routes: list | None
     used: int  # last use, on the cache's clock
+    drafted: int  # leading positions whose drafter entries are exact (0 without a drafter)
 
 
 class PrefixCache:
-    def __init__(self, slots: int, like: KVCache, min_tokens: int = 16):
-        n_layers, _, heads, max_len, head_dim = like.k.shape
-        self.kv = KVCache(n_layers, slots, max_len, heads, head_dim, like.k.dtype, like.k.device)
+    def __init__(self, slots: int, like: KVCache, min_tokens: int = 16, drafter: KVCache | None = None):
+        self.kv, self.drafter = _like(like, slots), (_like(drafter, slots) if drafter is not None else None)
         self.entries: list[_Entry | None] = [None] * slots
         self.min_tokens = min_tokens  # shorter prefixes are not worth a slot
         self._clock = itertools.count()
         self.hits = self.reused_tokens = 0
 
-    def park(self, cache: KVCache, slot: int, tokens: list[int], routes: list | None) -> None:
+    def park(self, cache: KVCache, slot: int, tokens: list[int], routes: list | None,
+             drafter: KVCache | None = None, drafted: int = 0) -> None:
         """Keep the first len(tokens) positions of `cache`'s `slot`, which hold `tokens`; routes:
-        per position from the first ([L][k] lists, at least len(tokens)), or None."""
+        per position from the first ([L][k] lists, at least len(tokens)), or None. drafter: the
+        drafter's cache, whose first `drafted` positions in that slot are exact."""
         n = len(tokens)
         if n < self.min_tokens:
             return
@@ -51,25 +58,31 @@ class PrefixCache:
         if i is None:
             free = [j for j, e in enumerate(self.entries) if e is None]
             i = free[0] if free else min(range(len(self.entries)), key=lambda j: self.entries[j].used)
-        self.kv.k[:, i, :, :n] = cache.k[:, slot, :, :n]
-        self.kv.v[:, i, :, :n] = cache.v[:, slot, :, :n]
-        self.entries[i] = _Entry(new, routes[:n] if routes else None, next(self._clock))
+        self.kv.move_from(cache, slot, i, n)
+        drafted = min(drafted, n) if self.drafter is not None else 0
+        if drafted:
+            self.drafter.move_from(drafter, slot, i, drafted)
+        self.entries[i] = _Entry(new, routes[:n] if routes else None, next(self._clock), drafted)
 
-    def restore(self, prompt: list[int], cache: KVCache, slot: int) -> tuple[int, list]:
-        """Copy the longest kept prefix of `prompt` into `cache`'s `slot`, leaving at least the
-        prompt's last token to feed (its logits start the completion). Returns how many positions
-        were restored (0: none) and their routes (n [L][k] lists, or [] when none are kept)."""
+    def restore(self, prompt: list[int], cache: KVCache, slot: int, drafter: KVCache | None = None) -> tuple[int, list]:
+        """Copy the longest kept prefix of `prompt` into `cache`'s `slot` (and the drafter's into
+        `drafter`'s, when the cache keeps one), leaving at least the prompt's last token to feed
+        (its logits start the completion). Returns how many positions were restored (0: none) and
+        their routes (n [L][k] lists, or [] when none are kept)."""
         want = np.asarray(prompt, dtype=np.int64)
         best, n = None, 0
         for i, e in enumerate(self.entries):
             if e is not None:
                 m = _common(e.tokens, want, len(prompt) - 1)
+                if self.drafter is not None:
+                    m = min(m - self.drafter.k.shape[0], e.drafted)
                 if m > n:
                     best, n = i, m
         if best is None or n < self.min_tokens:
             return 0, []
-        cache.k[:, slot, :, :n] = self.kv.k[:, best, :, :n]
-        cache.v[:, slot, :, :n] = self.kv.v[:, best, :, :n]
+        cache.move_from(self.kv, best, slot, n)
+        if self.drafter is not None:
+            drafter.move_from(self.drafter, best, slot, n)
         e = self.entries[best]
         e.used = next(self._clock)
         self.hits += 1
@@ -79,6 +92,12 @@ class PrefixCache:
     def clear(self) -> None:
         """Forget every entry (new weights: kept keys and values belong to the old ones)."""
         self.entries = [None] * len(self.entries)
+
+
+def _like(cache: KVCache, slots: int) -> KVCache:
+    """An empty cache of `cache`'s layers, heads, length and dtype with `slots` slots."""
+    n_layers, _, heads, max_len, head_dim = cache.k.shape
+    return KVCache(n_layers, slots, max_len, heads, head_dim, cache.k.dtype, cache.k.device)
 
 
 def _common(a: np.ndarray, b: np.ndarray, limit: int) -> int:

@@ -10,7 +10,8 @@ distributed exactly as plain sampling from p.
 Then the MTP layers run over the positions just accepted, which extends their own KV cache and
 proposes the next D drafts: layer k at position i reads h^{k-1}_i and the embedding of token i+k.
 At the last D-1 positions, layers k >= 2 can only read draft tokens; the next draft re-runs those
-positions once the tokens are known, so every entry the cache keeps is exact. Rows past a
+positions once the tokens are known, so every entry the cache keeps is exact. Each request counts
+the leading positions that are (`drafted`): prefix reuse keeps and restores only those. Rows past a
 sequence's accepted length are computed but never attended to later (KVCache).
 """
 from __future__ import annotations
@@ -19,7 +20,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kiln.engine.native import MAX_TOKENS
+from kiln.engine.native import MAX_TOKENS, NATIVE_PREFILL
 from kiln.engine.sampling import (
     argmax,
     draw,
@@ -115,9 +116,10 @@ def draft(engine, start: int, reqs, hidden: torch.Tensor, start_positions: list[
     # native.c takes MAX_TOKENS positions a call: a longer run (a prompt) first fills the MTP
     # cache over its leading positions, then drafts from the rest. Layer k at position p reads
     # token p + k, known up to each row's last valid position + 1, so every row must reach past
-    # the leading positions by depth - 2 (a prompt does); otherwise torch takes the whole run.
+    # the leading positions by depth - 2 (a prompt does); otherwise torch takes the whole run, as
+    # it takes runs over NATIVE_PREFILL positions (the trunk's prefills: matrix-matrix work).
     lead = max(t - MAX_TOKENS, 0)
-    if engine.native is None or (lead and min(last) + 2 - mtp.depth < lead):
+    if engine.native is None or t > NATIVE_PREFILL or (lead and min(last) + 2 - mtp.depth < lead):
         _torch_layers(engine, start, reqs, hidden, start_positions, seqs, last)
     else:
         for c0 in range(0, lead, MAX_TOKENS):
@@ -127,6 +129,8 @@ def draft(engine, start: int, reqs, hidden: torch.Tensor, start_positions: list[
                        [x - lead for x in last])
     for i, r in enumerate(reqs):
         r.mtp_tail = hidden[i, max(0, n_valid[i] - (mtp.depth - 1)):n_valid[i]] if mtp.depth > 1 else None
+        if start_positions[i] <= r.drafted:  # this call rewrote every position from the last exact one
+            r.drafted = len(seqs[i]) - mtp.depth  # where layer k read token p + k, known (not a draft)
 
 
 def _native_layers(engine, start: int, reqs, h: torch.Tensor, starts: list[int], seqs, last: list[int] | None):

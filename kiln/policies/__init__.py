@@ -21,6 +21,7 @@ def make_policy(cfg, patch: str | None = None, test_command: str | None = None):
         from kiln.engine import SamplingParams
 
         from .local import LocalPolicy
-        return LocalPolicy.from_checkpoint(cfg.checkpoint, SamplingParams(temperature=cfg.temperature))
+        return LocalPolicy.from_checkpoint(cfg.checkpoint, SamplingParams(temperature=cfg.temperature),
+                                           speculative=cfg.speculative)
     raise ValueError(f"policy kind {cfg.kind!r} cannot be built from the command line "
                      "(scripted policies are made in code); use openai, oracle or local")

@@ -53,13 +53,13 @@ class LocalPolicy:
     def from_checkpoint(cls, path: str | Path, params: SamplingParams | None = None, speculative: bool = True,
                         max_len: int | None = None, device: str = "cpu") -> LocalPolicy:
         """Model, MTP drafter (speculative decoding, when the checkpoint has one) and tokenizer
-        from a checkpoint directory."""
+        from a checkpoint directory; each turn reuses the last one's keys and values (prefix reuse)."""
         from kiln.model.checkpoint import load_checkpoint
         from kiln.model.tokenizer import load_tokenizer
 
         model, mtp = load_checkpoint(path, device=device, with_mtp=speculative)
         tok = load_tokenizer(path)
-        return cls(Engine(model, tok, mtp=mtp, max_batch=1, max_len=max_len), tok, params)
+        return cls(Engine(model, tok, mtp=mtp, max_batch=1, max_len=max_len, prefix_slots=1), tok, params)
 
     @property
     def context_window(self) -> int:

@@ -57,7 +57,7 @@ def prepare_tasks(cfg, rl_dir: Path, progress: bool = True) -> Path:
 
 def run_rl(cfg, checkpoint: str, rl_dir: str, progress: bool = True) -> dict:
     """Train the policy at `checkpoint` with asynchronous RL; returns a summary (metrics rows, final
-    checkpoint, group counts, restarts per role)."""
+    checkpoint, group counts, restarts per role, each worker's speculative steps and drafts accepted)."""
     from kiln.tasks.record import load_suite
 
     from .rollout import task_kind
@@ -70,6 +70,9 @@ def run_rl(cfg, checkpoint: str, rl_dir: str, progress: bool = True) -> dict:
             raise RLError(str(e)) from None
     if not (Path(checkpoint) / "config.json").is_file():
         raise RLError(f"no checkpoint at {checkpoint!r}: run `kiln sft` first, or set rl.checkpoint=DIR")
+    if rl.speculative and not (Path(checkpoint) / "mtp.safetensors").is_file():
+        raise RLError(f"rl.speculative drafts with the checkpoint's MTP module, and {checkpoint!r} has none "
+                      "(no mtp.safetensors): set rl.speculative=false, or start from a checkpoint that has one")
     need_cpus = rl.trainer_resources.get("CPU", 0) + rl.workers * rl.worker_resources.get("CPU", 0)
     try:
         started = cluster.connect(cfg.ray, min_cpus=need_cpus)
@@ -127,7 +130,9 @@ class Driver:
                           f"{rl.placement} of {bundles} (trainer first, then each worker) on nodes "
                           f"{[cluster.describe(n) + ' ' + cluster._fmt(n['Resources']) for n in cluster.alive_nodes()]}")
         # Held for the run: a restarted actor gets these again, shipped folders included.
-        self.start = start = {"checkpoint": cluster.Shipped.of(str(checkpoint), skip=("mtp.safetensors",)),
+        # The MTP drafter travels only when the workers draft with it (rl.speculative).
+        self.start = start = {"checkpoint": cluster.Shipped.of(str(checkpoint),
+                                                               skip=() if rl.speculative else ("mtp.safetensors",)),
                               "store": self.store_url, "tasks": cluster.Shipped.of(str(suite))}
         self.trainer = Trainer.options(**self._opts(0, rl.trainer_resources, "trainer")).remote(cfg, start, str(run))
         self.workers = [RolloutWorker.options(**self._opts(i + 1, rl.worker_resources, f"worker-{i}")).remote(
@@ -136,6 +141,7 @@ class Driver:
         self.info: dict[str, dict | None] = dict.fromkeys(self.roles)  # ready() of each role's live incarnation
         self.restarts = dict.fromkeys(self.roles, 0)
         self.version = dict.fromkeys(self.roles[1:], 0)
+        self.drafts = {}  # per worker, its engine's speculative steps and drafts accepted so far
         self.calls: dict = {}  # ObjectRef -> (role, kind, payload, since)
         self.asked: dict[str, float] = {}  # a worker's last version query
         self.metrics = _metrics(run)
@@ -184,8 +190,12 @@ class Driver:
             elsewhere = at and at != self.ray.get_runtime_context().get_node_id() and cluster.node_of(at)
         finally:
             self._stop()
+        steps = sum(d["steps"] for d in self.drafts.values())
+        if steps:
+            print(f"rl: speculative decoding accepted {sum(d['accepted'] for d in self.drafts.values()) / steps:.2f} "
+                  f"drafts a step over {steps} steps", flush=True)
         return {"metrics": self.metrics.rows(), "checkpoint": checkpoint, "checkpoint_node": elsewhere or None,
-                "groups": self.orch.counts(), "restarts": self.restarts,
+                "groups": self.orch.counts(), "restarts": self.restarts, "drafts": self.drafts,
                 "nodes": {r: i and i["node_id"] for r, i in self.info.items()}}
 
     def _dispatch(self) -> None:
@@ -249,6 +259,7 @@ class Driver:
             from .rollout import keep_group
 
             self.version[role] = value["version"]
+            self.drafts[role] = value["drafts"]
             if value["name"] != payload["worker"]:  # it died while idle and this call found its next incarnation
                 self._restarted(role, payload["worker"], {**self.info[role], "name": value["name"]})
             path = keep_group(value["files"], str(self.dir / "groups"), payload["group"])

@@ -54,7 +54,7 @@ class RolloutWorker:
         # Per incarnation: a restarted worker is a new consumer of the store and a new owner of groups.
         self.name = f"worker-{worker_id}.{self.where['node_id'][:8]}.{os.getpid()}"
         ckpt = start["checkpoint"].local()
-        model, _ = load_checkpoint(ckpt, with_mtp=False)
+        model, mtp = load_checkpoint(ckpt, with_mtp=rl.speculative)
         tok = load_tokenizer(ckpt)
         self.sub = WeightSubscriber(WeightStore(start["store"], anchor_every=rl.anchor_every), self.name)
         got, deadline = None, time.monotonic() + rl.timeout_s
@@ -70,8 +70,8 @@ class RolloutWorker:
         # rl.worker_groups groups at once share the engine's batches. Prefix reuse: one kept conversation
         # per rollout, as many again for the prompts that every task's rollouts start with.
         rows = rl.group_size * rl.worker_groups
-        self.engine = Engine(model, tok, max_batch=rows, max_len=max_len, version=got[0], prefix_slots=2 * rows,
-                             weight_dtype=getattr(torch, cfg.engine.dtype))  # the store's weights are in it
+        self.engine = Engine(model, tok, mtp=mtp, max_batch=rows, max_len=max_len, version=got[0],
+                             prefix_slots=2 * rows, weight_dtype=getattr(torch, cfg.engine.dtype))  # the store's weights are in it
         self.runner = EngineRunner(self.engine)
         self.runner.start()
         self.stop = threading.Event()
@@ -112,7 +112,9 @@ class RolloutWorker:
             for name in os.listdir(gdir):
                 with open(os.path.join(gdir, name)) as f:
                     files[name] = json.load(f)
-            return {"name": self.name, "version": self.engine.version, "files": files}
+            stats = self.engine.spec_stats  # this worker's drafts so far (rl.speculative)
+            return {"name": self.name, "version": self.engine.version, "files": files,
+                    "drafts": {"steps": stats.steps, "accepted": sum(stats.accepted)}}
         finally:
             shutil.rmtree(out, ignore_errors=True)
 

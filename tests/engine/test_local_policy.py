@@ -118,7 +118,10 @@ def test_a_new_conversation_starts_fresh(tiny_checkpoint, tok):
 def test_make_policy_builds_the_local_policy(tiny_checkpoint, tok):
     policy = make_policy(PolicyConfig(kind="local", checkpoint=str(tiny_checkpoint), temperature=0.5))
     assert isinstance(policy, LocalPolicy) and policy.name == "local"
-    assert policy.params.temperature == 0.5 and policy.engine.mtp is not None  # the checkpoint's drafter
+    assert policy.params.temperature == 0.5 and policy.engine.mtp is None  # policy.speculative is off by default
+    assert policy.engine.prefix is not None  # each turn reuses the last
+    drafting = make_policy(PolicyConfig(kind="local", checkpoint=str(tiny_checkpoint), speculative=True))
+    assert drafting.engine.mtp is not None and drafting.engine.prefix is not None  # the checkpoint's drafter, reuse kept
     assert policy.count_tokens("def f(x):\n    return x") == len(tok.encode("def f(x):\n    return x"))
     with pytest.raises(ConfigError, match=r"policy.checkpoint is empty.*set policy.checkpoint=PATH"):
         make_policy(PolicyConfig(kind="local"))

@@ -85,7 +85,52 @@ def test_least_recently_used_entry_is_evicted_and_short_prompts_are_not_kept(mod
     assert engine.prefix.hits == 1
 
 
-def test_prefix_reuse_with_an_mtp_drafter_is_refused_clearly():
-    model, mtp = tiny_model(0)
-    with pytest.raises(ValueError, match="prefix_slots=0"):
-        Engine(model, mtp=mtp, prefix_slots=2)
+def first_step(engine: Engine, prompt: list[int]):
+    """Admit `prompt` and run one decoding step; -> the request (its drafts are the next step's)."""
+    r = engine.submit(prompt, SamplingParams(temperature=0.0, max_tokens=32))
+    engine.step()
+    return r
+
+
+@pytest.mark.parametrize("depth", [1, 2])
+def test_a_drafter_restores_its_cache_and_drafts_as_after_a_full_prefill(model, depth):
+    """The next turn restores the drafter's exact entries (D positions short of the shared
+    prefix) with the trunk's, and then drafts what an engine that prefilled everything drafts."""
+    from tests.engine.test_speculative import mtp_of_depth
+
+    mtp = mtp_of_depth(model, tiny_model(0)[1], depth)
+    engine = Engine(model, mtp=mtp, max_batch=1, prefix_slots=2)
+    plain = Engine(model, max_batch=1, prefix_slots=2)
+    first = engine.generate([SYSTEM + [11, 12, 13]], GREEDY)[0]
+    assert first.token_ids == plain.generate([SYSTEM + [11, 12, 13]], GREEDY)[0].token_ids
+    nxt = first.prompt_ids + first.token_ids + [20] * 5
+    kept = len(first.prompt_ids) + len(first.token_ids) - 1  # the trunk's cache held all but the last token
+    reused = first_step(engine, nxt)
+    assert engine.prefix.hits == 1 and engine.prefix.reused_tokens == kept - depth
+    fresh = Engine(model, mtp=mtp, max_batch=1)
+    full = first_step(fresh, nxt)
+    assert reused.tokens == full.tokens and reused.drafts == full.drafts and reused.drafted == full.drafted
+    n = full.drafted
+    assert n == len(nxt) + len(full.tokens) - depth
+    torch.testing.assert_close(engine.mtp_cache.k[:, 0, :, :n], fresh.mtp_cache.k[:, 0, :, :n], atol=1e-5, rtol=0)
+    torch.testing.assert_close(engine.mtp_cache.v[:, 0, :, :n], fresh.mtp_cache.v[:, 0, :, :n], atol=1e-5, rtol=0)
+
+
+def test_speculative_turns_with_reuse_give_plain_greedy_and_seeded_samples(model):
+    """Whole conversations and a sampled group through a drafter with prefix reuse: greedy output
+    is plain greedy's, and seeded samples are those of the same drafter without reuse."""
+    mtp = tiny_model(0)[1]
+    engine = Engine(model, mtp=mtp, max_batch=2, prefix_slots=2)
+    for a, b in zip(turns(Engine(model, max_batch=2)), turns(engine)):
+        assert a.token_ids == b.token_ids
+        torch.testing.assert_close(torch.tensor(b.logprobs), torch.tensor(a.logprobs), atol=1e-4, rtol=0)
+        assert b.routes == a.routes
+    assert engine.prefix.hits == 2
+    prompt = SYSTEM + [9, 8, 7]
+    params = [SamplingParams(temperature=1.0, max_tokens=12, seed=s) for s in range(4)]
+    want = Engine(model, mtp=mtp, max_batch=4).generate([prompt] * 4, params)
+    engine = Engine(model, mtp=mtp, max_batch=4, prefix_slots=4)
+    engine.generate([prompt], params[:1])
+    got = engine.generate([prompt] * 4, params)
+    assert [c.token_ids for c in got] == [c.token_ids for c in want]
+    assert engine.prefix.hits == 4

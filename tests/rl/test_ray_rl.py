@@ -46,12 +46,16 @@ def _trained(rl_dir):
     return [g for g in state["groups"].values() if g["status"] == "trained"]
 
 
-@pytest.mark.parametrize("dtype", ["float32", pytest.param("bfloat16", marks=pytest.mark.slow)])
-def test_rl_runs_trains_publishes_and_never_repeats_a_prompt(tmp_path, tiny_checkpoint, ray_cluster, rl_dirs, dtype):
+@pytest.mark.parametrize("dtype, speculative", [("float32", False), pytest.param("bfloat16", False, marks=pytest.mark.slow),
+                                                ("float32", True)])
+def test_rl_runs_trains_publishes_and_never_repeats_a_prompt(tmp_path, tiny_checkpoint, ray_cluster, rl_dirs, dtype,
+                                                            speculative):
     rl_dir = rl_dirs(tmp_path)
     cpus = sorted(os.sched_getaffinity(0))  # the trainer and the workers pinned apart (rl/placement.py)
-    s = run_rl(_cfg(tmp_path, f"engine.dtype={dtype}", trainer_cpus=cpus[:1], worker_cpus=cpus[-1:]),
-               str(tiny_checkpoint), str(rl_dir), progress=False)
+    s = run_rl(_cfg(tmp_path, f"engine.dtype={dtype}", trainer_cpus=cpus[:1], worker_cpus=cpus[-1:],
+                    speculative=speculative), str(tiny_checkpoint), str(rl_dir), progress=False)
+    # with rl.speculative every worker that rolled out drafted with the checkpoint's MTP; without it none did
+    assert s["drafts"] and all((d["steps"] > 0) == speculative for d in s["drafts"].values())
     rows = s["metrics"]
     assert [r["step"] for r in rows] == [1, 2]
     assert all(max(r["group_lag"]) <= 1 for r in rows)  # admission bounds staleness
@@ -70,6 +74,14 @@ def test_rl_runs_trains_publishes_and_never_repeats_a_prompt(tmp_path, tiny_chec
     held = [json.loads(p.read_text())["version"] for p in (rl_dir / "weights" / "consumers").glob("*.json")]
     assert max(held) >= 1  # workers rebuilt and verified a published delta
     assert s["restarts"] == {"trainer": 0, "worker-0": 0, "worker-1": 0}
+
+
+def test_speculative_workers_without_a_drafter_are_refused_at_once(tmp_path, tiny_checkpoint):
+    bare = tmp_path / "bare"
+    shutil.copytree(tiny_checkpoint, bare, ignore=shutil.ignore_patterns("mtp.safetensors"))
+    with pytest.raises(RLError, match="has none .no mtp.safetensors.: set rl.speculative=false"):
+        run_rl(_cfg(tmp_path, speculative=True), str(bare), str(tmp_path / "rl"), progress=False)
+    assert not (tmp_path / "rl").exists()  # refused before any work
 
 
 @pytest.mark.parametrize("over, error", [
