@@ -10,7 +10,8 @@ from typing import Annotated, NoReturn, Optional
 
 import typer
 
-from kiln.config import Config, ConfigError, config_to_toml, load_config
+from kiln.config import Config, ConfigError, load_config
+from kiln.config_io import config_to_toml
 
 HELP = (
     "kiln trains and evaluates coding agents with the Composer 2 recipe.\n\n"

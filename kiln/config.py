@@ -6,15 +6,14 @@ One `Config` flows one way, from the CLI into every stage. Imports no torch. Err
 
 from __future__ import annotations
 
-import difflib
 import tomllib
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Literal, get_args, get_origin
+from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from kiln.tomlw import toml_key, toml_value
+from kiln.config_io import ConfigError, apply_override, validate_config
 
 CONFIGS_DIR = Path(__file__).resolve().parent.parent / "configs"  # repo root; fine for editable installs
 PROJECT_DIR = CONFIGS_DIR.parent  # also holds bases/: pretrained checkpoints kiln ships
@@ -25,10 +24,6 @@ def project_path(path: str) -> Path:
     `bases/tiny` works from any working directory."""
     p = Path(path).expanduser()
     return p if p.is_absolute() or p.exists() or not (PROJECT_DIR / p).exists() else PROJECT_DIR / p
-
-
-class ConfigError(ValueError):
-    """A config file, preset or override that cannot be used; the message says what to fix."""
 
 
 class Section(BaseModel):
@@ -380,8 +375,8 @@ def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -
     """
     data = _read_toml(resolve_path(path)) if path is not None else {}
     for item in overrides:
-        apply_override(data, item)
-    return validate_config(data)
+        apply_override(data, item, Config)
+    return validate_config(data, Config)
 
 
 def resolve_path(path: str | Path) -> Path:
@@ -401,104 +396,3 @@ def _read_toml(path: Path) -> dict[str, Any]:
         return tomllib.loads(path.read_text())
     except (OSError, tomllib.TOMLDecodeError) as e:
         raise ConfigError(f"cannot read config {path}: {e}") from None
-
-
-def apply_override(data: dict[str, Any], item: str) -> None:
-    """Set `dotted.key=value` in a raw config dict; the value is parsed as a TOML value if it can be."""
-    key, sep, raw = item.partition("=")
-    key = key.strip()
-    if not sep or not key:
-        raise ConfigError(f"bad override '{item}': expected dotted.key=value, e.g. sandbox.memory_mb=512")
-    parts = key.split(".")
-    node = data
-    for i, part in enumerate(parts[:-1]):
-        node = node.setdefault(part, {})
-        if not isinstance(node, dict):
-            where = ".".join(parts[: i + 1])
-            raise ConfigError(f"bad override '{item}': '{where}' is a value, not a section")
-    node[parts[-1]] = _parse_value(raw.strip(), _field_type(parts))
-
-
-def _parse_value(raw: str, target: Any) -> Any:
-    try:
-        value = tomllib.loads(f"v = {raw}")["v"]
-    except tomllib.TOMLDecodeError:
-        return raw  # a bare word: run.name=demo
-    # A string field keeps the text as typed, so run.name=2024 stays "2024".
-    return raw if target is str and not isinstance(value, str) else value
-
-
-def _field_type(parts: Sequence[str]) -> Any:
-    """The annotation at a dotted path in the Config tree, or None when the path is not a field."""
-    t: Any = Config
-    for part in parts:
-        if get_origin(t) is dict:  # sandbox.env.NAME=... targets the dict's value type
-            t = get_args(t)[1]
-            continue
-        field = t.model_fields.get(part) if _is_model(t) else None
-        if field is None:
-            return None
-        t = field.annotation
-    return t
-
-
-def _is_model(t: Any) -> bool:
-    return isinstance(t, type) and issubclass(t, BaseModel)
-
-
-# ------------------------------------------------------------------------------------- validation
-
-
-def validate_config(data: dict[str, Any], model: type[BaseModel] = Config) -> Any:
-    """Validate a raw dict into `model`, turning pydantic's errors into one readable ConfigError."""
-    try:
-        return model.model_validate(data)
-    except ValidationError as e:
-        raise ConfigError("\n".join(_describe(err, model) for err in e.errors())) from None
-
-
-def _describe(err: dict[str, Any], model: type[BaseModel]) -> str:
-    loc = [str(p) for p in err["loc"]]
-    key = ".".join(loc)
-    if err["type"] == "extra_forbidden":
-        allowed = list(_model_at(model, loc[:-1]).model_fields)
-        prefix = ".".join(loc[:-1] + [""])
-        close = difflib.get_close_matches(loc[-1], allowed, n=1)
-        hint = f"; did you mean '{prefix}{close[0]}'?" if close else ""
-        return f"unknown config key '{key}'{hint} allowed: {', '.join(allowed)}"
-    got = repr(err["input"])
-    got = got if len(got) <= 80 else got[:77] + "..."
-    return f"{key or '<root>'}: {err['msg']} (got {got})"
-
-
-def _model_at(model: type[BaseModel], loc: Sequence[str]) -> type[BaseModel]:
-    for part in loc:
-        nxt = model.model_fields[part].annotation if part in model.model_fields else None
-        if not _is_model(nxt):
-            break  # inside a list or dict: report the nearest enclosing model
-        model = nxt
-    return model
-
-
-# -------------------------------------------------------------------------------------- TOML out
-
-
-def config_to_toml(cfg: BaseModel) -> str:
-    """Render a config as TOML that `load_config` reads back to an equal config."""
-    return "\n".join(_table(cfg, [])).strip() + "\n"
-
-
-def _table(model: BaseModel, path: list[str]) -> list[str]:
-    lines = [f"[{'.'.join(path)}]"] if path else []
-    subtables = []
-    for name in type(model).model_fields:
-        value = getattr(model, name)
-        if isinstance(value, BaseModel):
-            subtables.append((name, value))
-        elif value is not None:  # TOML has no null: a missing key means the default
-            if isinstance(value, list) and value and isinstance(value[0], BaseModel):  # [[phases]] as inline tables
-                value = [v.model_dump(exclude_none=True) for v in value]
-            lines.append(f"{toml_key(name)} = {toml_value(value)}")
-    for name, sub in subtables:  # scalars must come before sub-tables in TOML
-        lines += ["", *_table(sub, path + [name])]
-    return lines

@@ -4,7 +4,8 @@ from typing import Literal
 
 import pytest
 
-from kiln.config import CONFIGS_DIR, Config, ConfigError, Section, config_to_toml, load_config, validate_config
+from kiln.config import CONFIGS_DIR, Config, ConfigError, Section, load_config
+from kiln.config_io import config_to_toml, validate_config
 
 
 def test_presets_load():

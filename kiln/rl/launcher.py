@@ -26,7 +26,7 @@ import time
 from pathlib import Path
 
 from kiln import cluster
-from kiln.config import config_to_toml
+from kiln.config_io import config_to_toml
 
 from . import placement
 from .orchestrator import Orchestrator, Prompt
