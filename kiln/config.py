@@ -314,6 +314,10 @@ class RLConfig(Section):
     # filter, without resampling): there the length and behaviour terms alone would set the sign.
     mixed_groups_only: bool = False
     positive_only: bool = False  # clamp advantages at 0: rejection-sampling fine-tuning weighted by the advantage
+    # Subtracted from the advantage of every token generated in a turn whose tool call failed: credit
+    # for the turn that erred, which a group-centred outcome spreads over the whole rollout. 0 = off
+    # (0.5 changed nothing measurable: docs/architecture.md, "Copying").
+    failed_call_penalty: float = Field(0.0, ge=0)
     tis_cap: float | None = Field(None, gt=0)  # truncated importance sampling with the sampler's logprobs; None = off
     kl_coef: float = Field(0.0, ge=0)  # k1 estimate of KL to the frozen start policy, summed per rollout, in the reward
     replay_ratio: float = Field(0.5, ge=0, le=1)  # router replay's plausibility filter (model/moe.py)

@@ -4,7 +4,8 @@ A local policy keeps token-in/token-out (policies/local.py): within a segment ea
 ids extend the previous turn's prompt + completion ids exactly, so a chain of turns is one
 sequence whose completion tokens are the targets. When a prompt does not extend the chain (a
 self-summary's new segment, or a rendering that did not line up) a new sequence starts. Every
-sequence of a trajectory carries that trajectory's advantage, summaries included.
+sequence of a trajectory carries that trajectory's advantage, summaries included; the completion
+tokens of a turn whose tool call failed are marked too (rl.failed_call_penalty).
 
 Routes: each turn records the experts of every position it fed (its prompt was prefilled anew),
 so the chain's latest turn covers every position; those are replayed in the trainer's forward.
@@ -24,6 +25,7 @@ class Sequence:
     version: list[int] = field(default_factory=list)  # the policy version that generated it (-1 elsewhere)
     routes: list | None = None  # [T][n_moe_layers][k], -1 = not recorded
     traj: int = 0  # which trajectory of the batch
+    failed: list[bool] = field(default_factory=list)  # generated in a turn whose tool call failed
 
 
 class BatchError(ValueError):
@@ -33,6 +35,8 @@ class BatchError(ValueError):
 def sequences(traj, index: int = 0) -> list[Sequence]:
     """One trajectory's training sequences (see the module docstring)."""
     out: list[Sequence] = []
+    failed_turns = {t.turn for t in traj.tools if not t.ok}
+    n_turn = 0  # ToolRecord.turn counts the trajectory's turns over all segments
     for seg in traj.segments:
         cur: Sequence | None = None
         for turn in seg.turns:
@@ -51,7 +55,9 @@ def sequences(traj, index: int = 0) -> list[Sequence]:
             cur.target += [False] * len(new) + [True] * len(c)
             cur.logp += [0.0] * len(new) + [float(x) for x in turn.logprobs]
             cur.version += [-1] * len(new) + list(turn.versions or [-1] * len(c))
+            cur.failed += [False] * len(new) + [n_turn in failed_turns] * len(c)
             cur.routes = turn.routes
+            n_turn += 1
         if cur is not None:
             out.append(cur)
     return out
@@ -67,6 +73,7 @@ class Batch:
     version: torch.Tensor  # [B, T-1] long, -1 where not generated
     routes: torch.Tensor | None  # [B, T, L, k] long, -1 = use the live router
     traj: torch.Tensor  # [B] trajectory index of each row
+    failed: torch.Tensor  # [B, T-1] 1.0 where the target was generated in a turn whose tool call failed
 
 
 def collate(seqs: list[Sequence], pad_id: int = 0) -> Batch:
@@ -77,6 +84,7 @@ def collate(seqs: list[Sequence], pad_id: int = 0) -> Batch:
     mask = torch.zeros(b, t - 1)
     logp = torch.zeros(b, t - 1)
     ver = torch.full((b, t - 1), -1, dtype=torch.long)
+    failed = torch.zeros(b, t - 1)
     shape = next((torch.tensor(s.routes).shape[1:] for s in seqs if s.routes), None)
     routes = None if shape is None else torch.full((b, t, *shape), -1, dtype=torch.long)
     for i, s in enumerate(seqs):
@@ -85,7 +93,8 @@ def collate(seqs: list[Sequence], pad_id: int = 0) -> Batch:
         mask[i, :n - 1] = torch.tensor(s.target[1:], dtype=torch.float32)
         logp[i, :n - 1] = torch.tensor(s.logp[1:])
         ver[i, :n - 1] = torch.tensor(s.version[1:])
+        failed[i, :n - 1] = torch.tensor(s.failed[1:], dtype=torch.float32)
         if routes is not None and s.routes:
             r = torch.tensor(s.routes, dtype=torch.long)
             routes[i, :r.shape[0]] = r[:n]
-    return Batch(ids, mask, logp, ver, routes, torch.tensor([s.traj for s in seqs]))
+    return Batch(ids, mask, logp, ver, routes, torch.tensor([s.traj for s in seqs]), failed)

@@ -44,7 +44,8 @@ def policy_loss(logp: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor
                 constant: float = 1.0, sampler_logp: torch.Tensor | None = None,
                 tis_cap: float | None = None) -> torch.Tensor:
     """logp, mask [B, T] (the trainer's logprobs of the sampled tokens; mask 1 on generated tokens),
-    advantages [B]. Returns the scalar loss whose gradient is the policy gradient."""
+    advantages [B] (one per row) or [B, T] (per token). Returns the scalar loss whose gradient is the
+    policy gradient."""
     if aggregation not in AGGREGATIONS:
         raise ValueError(f"aggregation must be one of {AGGREGATIONS}, not {aggregation!r}")
     mask = mask.to(logp.dtype)
@@ -52,7 +53,8 @@ def policy_loss(logp: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor
     if sampler_logp is not None:
         w = torch.exp(logp.detach() - sampler_logp)
         ratio = ratio * (w if tis_cap is None else w.clamp(max=tis_cap))
-    terms = -advantages[:, None].to(logp.dtype) * ratio * mask
+    adv = advantages if advantages.dim() == 2 else advantages[:, None]
+    terms = -adv.to(logp.dtype) * ratio * mask
     if aggregation == "constant":
         return terms.sum() / constant
     if aggregation == "token_mean":

@@ -95,10 +95,12 @@ class RLTrainer:
         trainer_lp = torch.zeros_like(batch.mask)
         # A row whose advantage is 0 adds nothing to the gradient under every aggregation: it is not
         # run (with mixed_groups_only or positive_only, most rows of a step).
-        trained = adv[batch.traj] != 0
+        # Per token: the rollout's advantage, minus the penalty on the turns whose tool call failed.
+        token_adv = adv[batch.traj][:, None] - rl.failed_call_penalty * batch.failed
+        trained = ((token_adv != 0) & batch.mask.bool()).any(1)
         for rows in _chunks(trained.nonzero()[:, 0]):
             lp, r = target_logp(self.model, batch, rows, rl.temperature, True, rl.replay_ratio)
-            loss = _chunk_loss(lp, adv[batch.traj[rows]], batch, rows, rl, n_rows, n_tokens)
+            loss = _chunk_loss(lp, token_adv[rows], batch, rows, rl, n_rows, n_tokens)
             loss.backward()
             loss_sum += float(loss.detach())
             replaced += r

@@ -6,7 +6,7 @@ import torch
 
 from kiln.config import Config
 from kiln.engine import Engine, SamplingParams
-from kiln.harness.trajectory import Segment, Trajectory, TurnRecord
+from kiln.harness.trajectory import Segment, ToolRecord, Trajectory, TurnRecord
 from kiln.model.checkpoint import load_checkpoint
 from kiln.model.tokenizer import load_tokenizer
 from kiln.rl.batch import BatchError, collate, sequences
@@ -141,6 +141,32 @@ def test_positive_only_drops_the_failed_rollouts_from_the_loss(setup, positive_o
     want = (-0.5 * n[0] + (0 if positive_only else 0.5 * n[1])) / rl.loss_constant
     assert m["loss"] == pytest.approx(want, rel=1e-5)
     assert m["trained_rows"] == (1 if positive_only else 2)
+
+
+@pytest.mark.parametrize("penalty", [0.0, 0.5])
+def test_failed_call_penalty_pushes_down_only_the_turn_whose_call_failed(setup, penalty):
+    """Two rollouts with equal rewards (advantage 0): only the penalty on trajectory 0's failed second
+    turn can train, and it makes exactly that turn's tokens less likely."""
+    ckpt, trajs = setup
+    model, _ = load_checkpoint(ckpt, with_mtp=False)
+    failed = Trajectory(task_id="f", segments=trajs[0].segments, tools=[
+        ToolRecord(0, "c0", "read_file", {}, True, 0.1, 10), ToolRecord(1, "c1", "edit_file", {}, False, 0.1, 10)])
+    turns = failed.segments[0].turns
+    seq = sequences(failed)[0]
+    assert [x for x, f in zip(seq.ids, seq.failed) if f] == turns[1].completion_ids
+    rl = Config().rl.model_copy(update={"lr": 3e-3, "temperature": 1.0, "failed_call_penalty": penalty})
+    batch = collate(sequences(failed, 0) + sequences(trajs[1], 1))
+    with torch.no_grad():
+        before, _ = target_logp(model, batch, slice(0, 2), 1.0, True, 0.5)
+    m = RLTrainer(model, rl, version=0).step([Group(0, "a", "k", [failed, trajs[1]],
+                                                    [{"correctness": 0.0}, {"correctness": 0.0}])])
+    # Dr. GRPO: -sum(A * ratio) / constant, A = -penalty on the failed turn's tokens, 0 elsewhere
+    assert m["loss"] == pytest.approx(penalty * len(turns[1].completion_ids) / rl.loss_constant, rel=1e-5)
+    assert m["trained_rows"] == (1 if penalty else 0)
+    with torch.no_grad():
+        after, _ = target_logp(model, batch, slice(0, 2), 1.0, True, 0.5)
+    moved = float(((after - before) * batch.failed[:2]).sum())
+    assert (moved < 0) if penalty else (moved == 0)
 
 
 def test_a_step_on_a_dense_family_scores_like_its_sampler_and_learns(tiny_checkpoint, tmp_path):
