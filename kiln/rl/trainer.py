@@ -93,10 +93,10 @@ class RLTrainer:
         self.opt.zero_grad(set_to_none=True)
         loss_sum, replaced = 0.0, 0
         trainer_lp = torch.zeros_like(batch.mask)
-        # A row whose advantage is 0 adds nothing to the gradient under every aggregation: it is not
-        # run (with mixed_groups_only or positive_only, most rows of a step).
         # Per token: the rollout's advantage, minus the penalty on the turns whose tool call failed.
         token_adv = adv[batch.traj][:, None] - rl.failed_call_penalty * batch.failed
+        # A row whose generated tokens all have advantage 0 adds nothing to the gradient under every
+        # aggregation: it is not run (with mixed_groups_only or positive_only, most rows of a step).
         trained = ((token_adv != 0) & batch.mask.bool()).any(1)
         for rows in _chunks(trained.nonzero()[:, 0]):
             lp, r = target_logp(self.model, batch, rows, rl.temperature, True, rl.replay_ratio)
