@@ -70,10 +70,12 @@ class CausalLM(nn.Module):
 
     def trunk(self, input_ids: torch.Tensor, positions: torch.Tensor | None = None, cache=None,
               routes: torch.Tensor | None = None, doc_ids: torch.Tensor | None = None,
-              replay_ratio: float = DEFAULT_REPLAY_RATIO) -> TrunkOutput:
+              replay_ratio: float = DEFAULT_REPLAY_RATIO, shared_prefix: bool = False) -> TrunkOutput:
         """input_ids [B, T]; positions [B, T] (default 0..T-1; required with a cache); routes
         [B, T, n_moe_layers, k] to replay (MoE families only); doc_ids [B, T] keep packed
-        documents from attending to each other (pass positions that restart per document)."""
+        documents from attending to each other (pass positions that restart per document).
+        shared_prefix: each row's first document is a prompt its later documents all continue
+        (layers.Documents; their positions continue the prompt's)."""
         b, t = input_ids.shape
         if routes is not None and not self.config.moe_layers:
             raise ValueError(f"router replay is for mixture-of-experts models only; this "
@@ -91,7 +93,7 @@ class CausalLM(nn.Module):
             if local not in ropes:
                 ropes[local] = rope_tables(self.model.inv_freq(x.device, local), positions, x.dtype)
             if cache is None and window not in masks:
-                masks[window] = attention_mask(t, doc_ids, window, x.device)
+                masks[window] = attention_mask(t, doc_ids, window, x.device, shared_prefix)
             replay = None
             if routes is not None and getattr(layer.mlp, "routed", False):
                 replay = routes[:, :, m]

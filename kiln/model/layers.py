@@ -149,12 +149,16 @@ class Documents:
     """Packed rows as their documents' spans: attention runs causally inside each span, never
     across. The same result as a [B, 1, T, T] block-diagonal mask at a fraction of the cost: SDPA's
     causal path skips the masked half, and the blocks between documents are never computed (an SFT
-    step of two 2,560-token rows spent 60% of its time in masked attention)."""
+    step of two 2,560-token rows spent 60% of its time in masked attention).
 
-    def __init__(self, doc_ids: torch.Tensor, window: int | None = None):
+    shared: each row's first document is a prefix that every later document of the row continues
+    (they attend to it as if it preceded each of them): several sequences with one prompt, the
+    prompt computed once (the RL trainer's rollouts of a group)."""
+
+    def __init__(self, doc_ids: torch.Tensor, window: int | None = None, shared: bool = False):
         """doc_ids [B, T]: contiguous runs of one id per document; padding (id -1) attends nowhere
         and gets a zero output (it is never a target). window: a sliding window inside each span."""
-        self.window = window
+        self.window, self.shared = window, shared
         self.rows: list[list[tuple[int, int, bool]]] = []  # per row: (start, end, is a document)
         for d in doc_ids.tolist():
             spans, start = [], 0
@@ -168,12 +172,16 @@ class Documents:
         """q [B, H, T, hd], k and v [B, KV, T, hd] -> [B, H, T, hd]."""
         out = []
         for b, spans in enumerate(self.rows):
-            parts = [self._span(q[b:b + 1, :, s:e], k[b:b + 1, :, s:e], v[b:b + 1, :, s:e], scale)
+            p = spans[0][1] if self.shared else 0  # the prefix's end: later spans continue [0, p)
+            parts = [self._span(*(torch.cat([t[b:b + 1, :, :p], t[b:b + 1, :, s:e]], 2) if s and p else t[b:b + 1, :, s:e]
+                                  for t in (q, k, v)), scale)[:, :, -(e - s):]
                      if real else q.new_zeros(1, q.shape[1], e - s, q.shape[3]) for s, e, real in spans]
             out.append(parts[0] if len(parts) == 1 else torch.cat(parts, dim=2))
         return out[0] if len(out) == 1 else torch.cat(out)
 
     def _span(self, q, k, v, scale):
+        """Causal attention within q, k, v; a continuing span runs with its prefix's queries too, and
+        drops their outputs: SDPA's causal path skips the masked half, which an explicit mask would not."""
         n = q.shape[2]
         if self.window is not None and n > self.window:
             return F.scaled_dot_product_attention(q, k, v, attn_mask=band(n, self.window, q.device),
@@ -185,20 +193,20 @@ SPANS_FROM = 512  # rows at least this long attend by document span; shorter one
 # 16 x 256 the mask is 15% faster, at 4 x 1,024 the spans are 15% faster, at 2 x 2,560 35%)
 
 
-def document_mask(doc_ids: torch.Tensor, window: int | None = None):
+def document_mask(doc_ids: torch.Tensor, window: int | None = None, shared: bool = False):
     """What keeps packed documents ([B, T] ids, contiguous; -1 = padding) from attending to each
     other: a [B, 1, T, T] bool mask for short rows, `Documents` spans for long ones. window: a
-    sliding window as well."""
+    sliding window as well; shared: see `Documents`."""
     t = doc_ids.shape[1]
-    if t >= SPANS_FROM:
-        return Documents(doc_ids, window)
+    if t >= SPANS_FROM or shared:
+        return Documents(doc_ids, window, shared)
     return ((doc_ids[:, :, None] == doc_ids[:, None, :]) & band(t, window, doc_ids.device))[:, None]
 
 
-def attention_mask(t: int, doc_ids: torch.Tensor | None, window: int | None, device):
+def attention_mask(t: int, doc_ids: torch.Tensor | None, window: int | None, device, shared: bool = False):
     """A cache-free forward's mask for T positions: None (plain causal), a bool mask or spans."""
     if doc_ids is not None:
-        return document_mask(doc_ids, window)
+        return document_mask(doc_ids, window, shared)
     if window is None or t <= window:
         return None
     return band(t, window, device)

@@ -22,6 +22,8 @@ from .loss import group_advantages, policy_loss, uniform_groups
 from .rewards import k1
 
 ROWS_PER_CHUNK = 4
+MIN_SHARED = 64  # a shorter common prompt is not worth a tree
+TREE_TOKENS = 16384  # a tree's packed length at most: what ROWS_PER_CHUNK rows of a 4k context hold
 
 
 @dataclass
@@ -35,9 +37,13 @@ class Group:
     started_version: int = -1  # the weights version its worker was on when it started (the lag)
 
 
-def target_logp(model, batch: Batch, rows, temperature: float, replay: bool, replay_ratio: float):
+def target_logp(model, batch: Batch, rows, temperature: float, replay: bool, replay_ratio: float,
+                tree: bool = False):
     """[rows, T-1] logprobs of the targets (0 elsewhere) and the number of replayed experts replaced;
-    `rows` is a slice or a tensor of row indices."""
+    `rows` is a slice or a tensor of row indices. tree: the rows open with one prompt (a group's
+    rollouts, see _chunks), which runs once, each row's rest attending to it."""
+    if tree:
+        return _tree_logp(model, batch, rows, temperature, replay, replay_ratio)
     full = torch.zeros(batch.mask[rows].shape)
     cols = batch.mask[rows].any(0).nonzero()
     n = int(cols.max()) + 2 if len(cols) else 2  # the chunk's own width: padding past its longest row is skipped
@@ -46,15 +52,61 @@ def target_logp(model, batch: Batch, rows, temperature: float, replay: bool, rep
     out = model.trunk(ids, routes=routes, replay_ratio=replay_ratio)
     keep = mask.bool()
     h = out.hidden[:, :-1][keep]  # only where a target is scored
-    logits = model.head(h).float() / temperature
-    lp = torch.log_softmax(logits, -1).gather(-1, ids[:, 1:][keep][:, None])[:, 0]
-    full[:, :n - 1] = torch.zeros(mask.shape).masked_scatter(keep, lp.float())
+    full[:, :n - 1] = torch.zeros(mask.shape).masked_scatter(keep, _logp(model, h, ids[:, 1:][keep], temperature))
     return full, out.replaced
+
+
+def shared_prompt(batch: Batch, rows: torch.Tensor) -> int:
+    """How many leading positions every row of `rows` feeds alike (the same token and replayed
+    experts) with no target among them: the prompt a tree computes once."""
+    ids, mask = batch.ids[rows], batch.mask[rows].bool()
+    same = (ids == ids[:1]).all(0)
+    if batch.routes is not None:
+        r = batch.routes[rows]
+        same &= (r == r[:1]).flatten(2).all(-1).all(0)
+    same[:-1] &= ~mask.any(0)  # nor a target: position t's is token t + 1, scored in each row's rest
+    return int(same.long().cumprod(0).sum())
+
+
+def _tree_logp(model, batch: Batch, rows: torch.Tensor, temperature: float, replay: bool, replay_ratio: float):
+    """target_logp of rows that share their first shared_prompt() positions, as one packed row: the
+    prompt, then each row's rest (layers.Documents, shared). The same logprobs, summed in another
+    order, for a fraction of the work (a group's prompt is ~40% of its tokens)."""
+    p = shared_prompt(batch, rows)
+    ends = [int(batch.mask[r].nonzero().max()) + 2 for r in rows.tolist()]  # each row's length
+    parts = [range(p)] + [range(p, n) for n in ends]
+    ids = torch.cat([batch.ids[rows[0], :p]] + [batch.ids[r, p:n] for r, n in zip(rows.tolist(), ends)])
+    pos = torch.cat([torch.arange(a.start, a.stop) for a in parts])
+    docs = torch.cat([torch.full((len(a),), d) for d, a in enumerate(parts)])
+    routes = None
+    if replay and batch.routes is not None:
+        routes = torch.cat([batch.routes[rows[0], :p]] + [batch.routes[r, p:n] for r, n in zip(rows.tolist(), ends)])[None]
+    out = model.trunk(ids[None], positions=pos[None], doc_ids=docs[None], routes=routes, replay_ratio=replay_ratio,
+                      shared_prefix=True)
+    hs, targets, keeps, at = [], [], [], p
+    for r, n in zip(rows.tolist(), ends):  # row r's position t (>= p) is packed at at + t - p
+        keep = batch.mask[r, p:n - 1].bool()
+        hs.append(out.hidden[0, at:at + n - 1 - p][keep])
+        targets.append(batch.ids[r, p + 1:n][keep])
+        keeps.append(keep)
+        at += n - p
+    lp = _logp(model, torch.cat(hs), torch.cat(targets), temperature).split([int(k.sum()) for k in keeps])
+    full = torch.zeros(batch.mask[rows].shape)
+    for i, (keep, n, l) in enumerate(zip(keeps, ends, lp)):
+        full[i, p:n - 1] = torch.zeros(keep.shape).masked_scatter(keep, l)
+    return full, out.replaced
+
+
+def _logp(model, hidden: torch.Tensor, targets: torch.Tensor, temperature: float) -> torch.Tensor:
+    """Each target's logprob under softmax(logits / temperature) at its hidden state."""
+    logits = model.head(hidden).float() / temperature
+    return torch.log_softmax(logits, -1).gather(-1, targets[:, None])[:, 0].float()
 
 
 class RLTrainer:
     def __init__(self, model, rl, ref_model=None, version: int = 0):
         self.model, self.rl, self.ref, self.version = model, rl, ref_model, version
+        self.trees = True  # a group's rollouts run as one tree over their prompt (False: padded rows, the old way)
         if not rl.train_embeddings:
             model.model.embed_tokens.weight.requires_grad_(False)
             model.lm_head.weight.requires_grad_(False)  # the same tensor when tied
@@ -73,14 +125,15 @@ class RLTrainer:
         seqs = sorted((s for i, t in enumerate(trajs) for s in sequences(t, i)), key=lambda s: len(s.ids))
         batch = collate(seqs)
         n_rows, n_tokens = len(seqs), float(batch.mask.sum())
+        row_group = gid[batch.traj] if self.trees else None  # a group's rollouts share its prompt: trees
 
         kl = torch.zeros(len(trajs))  # summed k1 per rollout, in the reward (detached)
         self.model.train()
         with torch.no_grad():
             if self.ref is not None and rl.kl_coef > 0:
-                for rows in _chunks(n_rows):
-                    pol, _ = target_logp(self.model, batch, rows, rl.temperature, True, rl.replay_ratio)
-                    ref, _ = target_logp(self.ref, batch, rows, rl.temperature, True, rl.replay_ratio)
+                for rows, tree in _chunks(batch, torch.arange(n_rows), row_group):
+                    pol, _ = target_logp(self.model, batch, rows, rl.temperature, True, rl.replay_ratio, tree)
+                    ref, _ = target_logp(self.ref, batch, rows, rl.temperature, True, rl.replay_ratio, tree)
                     kl.index_add_(0, batch.traj[rows], (k1(pol, ref) * batch.mask[rows]).sum(1))
         reward = torch.tensor([sum(a.values()) for a in axes]) - rl.kl_coef * kl
         adv = group_advantages(reward, gid, scale_std=rl.scale_std)
@@ -98,8 +151,8 @@ class RLTrainer:
         # A row whose generated tokens all have advantage 0 adds nothing to the gradient under every
         # aggregation: it is not run (with mixed_groups_only or positive_only, most rows of a step).
         trained = ((token_adv != 0) & batch.mask.bool()).any(1)
-        for rows in _chunks(trained.nonzero()[:, 0]):
-            lp, r = target_logp(self.model, batch, rows, rl.temperature, True, rl.replay_ratio)
+        for rows, tree in _chunks(batch, trained.nonzero()[:, 0], row_group):
+            lp, r = target_logp(self.model, batch, rows, rl.temperature, True, rl.replay_ratio, tree)
             loss = _chunk_loss(lp, token_adv[rows], batch, rows, rl, n_rows, n_tokens)
             loss.backward()
             loss_sum += float(loss.detach())
@@ -107,7 +160,7 @@ class RLTrainer:
             trainer_lp[rows] = lp.detach()
         measured = trained.clone()
         if not trained.any() and n_rows:  # nothing to train: the mismatch is still measured, on the shortest rows
-            rows = _chunks(n_rows)[0]
+            rows = _chunks(batch, torch.arange(n_rows))[0][0]
             with torch.no_grad():
                 trainer_lp[rows] = target_logp(self.model, batch, rows, rl.temperature, True, rl.replay_ratio)[0]
             measured[rows] = True
@@ -130,10 +183,31 @@ def sampler_weights(model, dtype: str) -> dict[str, torch.Tensor]:
     return {k: v.detach().to(to) if v.is_floating_point() else v.detach() for k, v in model.state_dict().items()}
 
 
-def _chunks(rows):
-    """Consecutive runs of ROWS_PER_CHUNK of `rows` (a count: 0..n-1, or row indices, sorted by length)."""
-    idx = torch.arange(rows) if isinstance(rows, int) else rows
-    return [idx[i:i + ROWS_PER_CHUNK] for i in range(0, len(idx), ROWS_PER_CHUNK)]
+def _chunks(batch: Batch, rows: torch.Tensor, group: torch.Tensor | None = None) -> list[tuple[torch.Tensor, bool]]:
+    """target_logp's chunks of `rows` (row indices, sorted by length), each with whether it is a tree.
+    With `group` (each row's group id), a group's rows that share a prompt of MIN_SHARED or more
+    tokens go together, up to TREE_TOKENS packed: a tree. The other rows go in consecutive runs of
+    ROWS_PER_CHUNK, each about as long as its longest (target_logp trims it)."""
+    keys: dict[tuple, list[int]] = {}
+    for i in rows.tolist() if group is not None else []:
+        keys.setdefault((int(group[i]), *batch.ids[i, :MIN_SHARED].tolist()), []).append(i)
+    out, in_tree = [], set()
+    for members in (m for m in keys.values() if len(m) > 1):
+        p = shared_prompt(batch, torch.tensor(members))
+        if p < MIN_SHARED:
+            continue
+        chunk, size = [], 0
+        for i in members:
+            n = int(batch.mask[i].nonzero().max()) + 2 - p  # what the row adds to the tree
+            if chunk and size + n > TREE_TOKENS:
+                out.append((torch.tensor(chunk), len(chunk) > 1))
+                chunk, size = [], 0
+            size += n + (0 if chunk else p)
+            chunk.append(i)
+        out.append((torch.tensor(chunk), len(chunk) > 1))
+        in_tree.update(members)
+    rest = [i for i in rows.tolist() if i not in in_tree]
+    return out + [(torch.tensor(rest[i:i + ROWS_PER_CHUNK]), False) for i in range(0, len(rest), ROWS_PER_CHUNK)]
 
 
 def _chunk_loss(lp, adv, batch: Batch, rows, rl, n_rows: int, n_tokens: float) -> torch.Tensor:

@@ -75,6 +75,35 @@ def test_packed_documents_get_the_gradients_of_documents_run_alone(packing):
         torch.testing.assert_close(packed[name], alone[name], rtol=1e-3, atol=1e-4)
 
 
+def test_a_shared_prompt_row_matches_each_sequence_run_whole():
+    """A row of [prompt][rest 1][rest 2] with shared_prefix: each rest attends to the prompt as if it
+    followed it alone (the RL trainer's tree over a group's rollouts): outputs and gradients."""
+    m = model()
+    gen = torch.Generator().manual_seed(2)
+    prompt, rests = torch.randint(0, CFG.vocab_size, (11,), generator=gen), [
+        torch.randint(0, CFG.vocab_size, (n,), generator=gen) for n in (6, 9)]
+    ids = torch.cat([prompt, *rests])[None]
+    doc_ids = torch.cat([torch.full((len(x),), j) for j, x in enumerate([prompt, *rests])])[None]
+    positions = torch.cat([torch.arange(11)] + [torch.arange(11, 11 + len(r)) for r in rests])[None]
+
+    def grads(loss):
+        m.zero_grad()
+        loss.backward()
+        return {n: p.grad.clone() for n, p in m.named_parameters() if p.grad is not None}
+    tree = m(ids, positions=positions, doc_ids=doc_ids, shared_prefix=True)[0]
+    whole = [m(torch.cat([prompt, r])[None])[0] for r in rests]
+    torch.testing.assert_close(tree[:11], whole[0][:11], rtol=0, atol=1e-5)
+    torch.testing.assert_close(tree[11:17], whole[0][11:], rtol=0, atol=1e-5)
+    torch.testing.assert_close(tree[17:], whole[1][11:], rtol=0, atol=1e-5)
+    # the prompt's outputs once plus each rest's: the same loss, so the same gradients
+    shared = grads(tree[:11].pow(2).sum() + tree[11:].pow(2).sum())
+    apart = grads(whole[0].pow(2).sum() + whole[1][11:].pow(2).sum())
+    for name in shared:
+        torch.testing.assert_close(shared[name], apart[name], rtol=1e-3, atol=1e-4)
+    # without shared_prefix the rests see only themselves
+    assert (m(ids, positions=positions, doc_ids=doc_ids)[0, 17:] - tree[17:]).abs().max() > 1e-2
+
+
 def test_few_token_expert_path_matches_the_grouped_path():
     """A forward of one or two tokens (decoding) runs experts token by token; more tokens are
     grouped by expert. Both must give the same result for the same token."""

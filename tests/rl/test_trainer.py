@@ -9,6 +9,7 @@ from kiln.engine import Engine, SamplingParams
 from kiln.harness.trajectory import Segment, ToolRecord, Trajectory, TurnRecord
 from kiln.model.checkpoint import load_checkpoint
 from kiln.model.tokenizer import load_tokenizer
+from kiln.rl import trainer as trainer_mod
 from kiln.rl.batch import BatchError, collate, sequences
 from kiln.rl.trainer import Group, RLTrainer, target_logp
 from tests.threads import one_thread  # noqa: F401
@@ -110,6 +111,38 @@ def test_a_step_moves_logprobs_with_the_advantage_and_logs_the_metrics(setup, ag
     assert m["lag"] == {"0": int(batch.mask.sum())}
     assert m["tokens_per_s"] > 0 and m["grad_norm"] > 0
     assert m["rollouts"] == 4 and m["summarised"] == 0  # one segment each
+
+
+def test_a_groups_rollouts_train_as_one_tree_over_their_prompt_with_the_same_loss(setup):
+    """Rollouts that open with one long prompt run as a tree (the prompt once): each row's logprobs
+    are its own run's and the sampler's, and a step's loss and gradient norm are the padded rows'."""
+    ckpt, _ = setup
+    model, _ = load_checkpoint(ckpt, with_mtp=False)
+    engine = Engine(model, load_tokenizer(ckpt), max_batch=4, max_len=256)
+    prompt = [1] + [20 + i % 50 for i in range(trainer_mod.MIN_SHARED + 6)]
+    trajs = [_traj(engine, prompt, seed=s) for s in range(3)] + [_traj(engine, [1, 2, 3], seed=9)]
+    batch = collate([s for i, t in enumerate(trajs) for s in sequences(t, i)])
+    group = torch.tensor([0, 0, 0, 1])[batch.traj]
+    chunks = trainer_mod._chunks(batch, torch.arange(4), group)
+    assert [(c.tolist(), tree) for c, tree in chunks] == [([0, 1, 2], True), ([3], False)]
+    # all but the prompt's last position, which predicts each row's own first generated token
+    assert trainer_mod.shared_prompt(batch, torch.arange(3)) == len(prompt) - 1
+    with torch.no_grad():
+        tree, _ = target_logp(model, batch, torch.arange(3), 1.0, True, 0.5, tree=True)
+        alone = torch.cat([target_logp(model, batch, slice(i, i + 1), 1.0, True, 0.5)[0] for i in range(3)])
+    keep = batch.mask[:3].bool()
+    assert (tree[~keep] == 0).all() and (tree - alone)[keep].abs().max() < 1e-5
+    assert (tree - batch.sampler_logp[:3])[keep].abs().max() < 1e-4
+    rl = Config().rl.model_copy(update={"temperature": 1.0})
+    rewards = [{"correctness": c} for c in (1.0, 0.0, 0.0, 1.0)]
+    steps = []
+    for trees in (True, False):
+        m, _ = load_checkpoint(ckpt, with_mtp=False)
+        trainer = RLTrainer(m, rl)
+        trainer.trees = trees
+        steps.append(trainer.step([Group(0, "a", "k", trajs[:3], rewards[:3]), Group(1, "b", "k", trajs[3:], rewards[3:])]))
+    assert steps[0]["loss"] == pytest.approx(steps[1]["loss"], rel=1e-5)
+    assert steps[0]["grad_norm"] == pytest.approx(steps[1]["grad_norm"], rel=1e-4) and steps[0]["grad_norm"] > 0
 
 
 @pytest.mark.parametrize("mixed_only", [False, True])
