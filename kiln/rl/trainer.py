@@ -3,10 +3,10 @@ forward, the policy-gradient loss, Adam, and the step's metrics.
 
 The trainer scores each sampled token under softmax(logits / temperature), the distribution the
 sampler drew it from and recorded the logprob of. Only target positions go through the output
-head (a rollout is mostly prompt and tool output). Rows are processed a few at a time, shortest
-first, each chunk cut to its longest row (padding to the batch's longest cost ~30% of a step), and
-the gradients accumulate; each chunk's loss is scaled so the sum equals the loss over the whole batch
-under every aggregation.
+head (a rollout is mostly prompt and tool output). A group's rollouts run as one tree, their
+shared prompt computed once (_tree_logp); other rows a few at a time, shortest first, each chunk cut
+to its longest row (padding to the batch's longest cost ~30% of a step). The gradients accumulate;
+each chunk's loss is scaled so the sum equals the loss over the whole batch under every aggregation.
 """
 from __future__ import annotations
 
