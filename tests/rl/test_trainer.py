@@ -10,7 +10,7 @@ from kiln.harness.trajectory import Segment, ToolRecord, Trajectory, TurnRecord
 from kiln.model.checkpoint import load_checkpoint
 from kiln.model.tokenizer import load_tokenizer
 from kiln.rl import trainer as trainer_mod
-from kiln.rl.batch import BatchError, collate, sequences
+from kiln.rl.batch import BatchError, Sequence, collate, sequences
 from kiln.rl.trainer import Group, RLTrainer, target_logp
 from tests.threads import one_thread  # noqa: F401
 
@@ -125,6 +125,11 @@ def test_a_groups_rollouts_train_as_one_tree_over_their_prompt_with_the_same_los
     group = torch.tensor([0, 0, 0, 1])[batch.traj]
     chunks = trainer_mod._chunks(batch, torch.arange(4), group)
     assert [(c.tolist(), tree) for c, tree in chunks] == [([0, 1, 2], True), ([3], False)]
+    # a row without a target (nothing to score) joins no tree, even one of its own group's
+    n = len(prompt) + 1
+    bare = collate(sequences(trajs[0], 0) + [Sequence(prompt + [5], [False] * n, [0.0] * n, [-1] * n, None, 1, [False] * n)])
+    assert [(c.tolist(), tree) for c, tree in trainer_mod._chunks(bare, torch.arange(2), torch.tensor([0, 0]))] == [
+        ([0, 1], False)]
     # all but the prompt's last position, which predicts each row's own first generated token
     assert trainer_mod.shared_prompt(batch, torch.arange(3)) == len(prompt) - 1
     with torch.no_grad():
