@@ -35,8 +35,9 @@ def prompt_fraction(groups) -> float:
     """Of all the rollouts' tokens, the share a tree does not repeat: each group's prompt but once."""
     total = repeated = 0
     for g in groups:
-        batch = collate([s for i, t in enumerate(g.trajectories) for s in sequences(t, i)])
-        total += int(sum(len(s.ids) for i, t in enumerate(g.trajectories) for s in sequences(t, i)))
+        seqs = [s for i, t in enumerate(g.trajectories) for s in sequences(t, i)]
+        batch = collate(seqs)
+        total += sum(len(s.ids) for s in seqs)
         repeated += shared_prompt(batch, torch.arange(len(batch.ids))) * (len(batch.ids) - 1)
     return repeated / max(total, 1)
 

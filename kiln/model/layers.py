@@ -173,9 +173,14 @@ class Documents:
         out = []
         for b, spans in enumerate(self.rows):
             p = spans[0][1] if self.shared else 0  # the prefix's end: later spans continue [0, p)
-            parts = [self._span(*(torch.cat([t[b:b + 1, :, :p], t[b:b + 1, :, s:e]], 2) if s and p else t[b:b + 1, :, s:e]
-                                  for t in (q, k, v)), scale)[:, :, -(e - s):]
-                     if real else q.new_zeros(1, q.shape[1], e - s, q.shape[3]) for s, e, real in spans]
+            parts = []
+            for s, e, real in spans:
+                if not real:
+                    parts.append(q.new_zeros(1, q.shape[1], e - s, q.shape[3]))
+                    continue
+                qkv = [t[b:b + 1, :, s:e] if not (s and p) else torch.cat([t[b:b + 1, :, :p], t[b:b + 1, :, s:e]], 2)
+                       for t in (q, k, v)]
+                parts.append(self._span(*qkv, scale)[:, :, -(e - s):])  # the span's own queries
             out.append(parts[0] if len(parts) == 1 else torch.cat(parts, dim=2))
         return out[0] if len(out) == 1 else torch.cat(out)
 

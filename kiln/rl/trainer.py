@@ -72,19 +72,19 @@ def _tree_logp(model, batch: Batch, rows: torch.Tensor, temperature: float, repl
     """target_logp of rows that share their first shared_prompt() positions, as one packed row: the
     prompt, then each row's rest (layers.Documents, shared). The same logprobs, summed in another
     order, for less work (a group's prompt is ~35% of its tokens)."""
-    p = shared_prompt(batch, rows)
-    ends = [int(batch.mask[r].nonzero().max()) + 2 for r in rows.tolist()]  # each row's length
+    p, rs = shared_prompt(batch, rows), rows.tolist()
+    ends = [int(batch.mask[r].nonzero().max()) + 2 for r in rs]  # each row's length
     parts = [range(p)] + [range(p, n) for n in ends]
-    ids = torch.cat([batch.ids[rows[0], :p]] + [batch.ids[r, p:n] for r, n in zip(rows.tolist(), ends)])
+    ids = torch.cat([batch.ids[rs[0], :p]] + [batch.ids[r, p:n] for r, n in zip(rs, ends)])
     pos = torch.cat([torch.arange(a.start, a.stop) for a in parts])
     docs = torch.cat([torch.full((len(a),), d) for d, a in enumerate(parts)])
     routes = None
     if replay and batch.routes is not None:
-        routes = torch.cat([batch.routes[rows[0], :p]] + [batch.routes[r, p:n] for r, n in zip(rows.tolist(), ends)])[None]
+        routes = torch.cat([batch.routes[rs[0], :p]] + [batch.routes[r, p:n] for r, n in zip(rs, ends)])[None]
     out = model.trunk(ids[None], positions=pos[None], doc_ids=docs[None], routes=routes, replay_ratio=replay_ratio,
                       shared_prefix=True)
     hs, targets, keeps, at = [], [], [], p
-    for r, n in zip(rows.tolist(), ends):  # row r's position t (>= p) is packed at at + t - p
+    for r, n in zip(rs, ends):  # row r's position t (>= p) is packed at at + t - p
         keep = batch.mask[r, p:n - 1].bool()
         hs.append(out.hidden[0, at:at + n - 1 - p][keep])
         targets.append(batch.ids[r, p + 1:n][keep])
@@ -100,7 +100,7 @@ def _tree_logp(model, batch: Batch, rows: torch.Tensor, temperature: float, repl
 def _logp(model, hidden: torch.Tensor, targets: torch.Tensor, temperature: float) -> torch.Tensor:
     """Each target's logprob under softmax(logits / temperature) at its hidden state."""
     logits = model.head(hidden).float() / temperature
-    return torch.log_softmax(logits, -1).gather(-1, targets[:, None])[:, 0].float()
+    return torch.log_softmax(logits, -1).gather(-1, targets[:, None])[:, 0]
 
 
 class RLTrainer:

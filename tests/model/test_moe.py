@@ -26,6 +26,12 @@ def model(seed: int = 0) -> MoeForCausalLM:
     return m.eval()
 
 
+def _grads(m, loss) -> dict[str, torch.Tensor]:
+    m.zero_grad()
+    loss.backward()
+    return {n: p.grad.clone() for n, p in m.named_parameters() if p.grad is not None}
+
+
 @pytest.fixture(params=["mask", "spans"])
 def packing(request, monkeypatch):
     """Both ways of keeping packed documents apart (model/layers.document_mask picks by row length)."""
@@ -63,13 +69,8 @@ def test_packed_documents_get_the_gradients_of_documents_run_alone(packing):
     ids = torch.cat(docs + [torch.zeros(4, dtype=torch.long)])[None]
     doc_ids = torch.cat([torch.full((len(d),), j) for j, d in enumerate(docs)] + [torch.full((4,), -1)])[None]
     positions = torch.cat([torch.arange(len(d)) for d in docs] + [torch.arange(4)])[None]
-
-    def grads(loss):
-        m.zero_grad()
-        loss.backward()
-        return {n: p.grad.clone() for n, p in m.named_parameters() if p.grad is not None}
-    packed = grads(m(ids, positions=positions, doc_ids=doc_ids)[0, :16].pow(2).sum())
-    alone = grads(sum(m(d[None])[0].pow(2).sum() for d in docs))
+    packed = _grads(m, m(ids, positions=positions, doc_ids=doc_ids)[0, :16].pow(2).sum())
+    alone = _grads(m, sum(m(d[None])[0].pow(2).sum() for d in docs))
     assert packed.keys() == alone.keys()
     for name in packed:
         torch.testing.assert_close(packed[name], alone[name], rtol=1e-3, atol=1e-4)
@@ -85,19 +86,14 @@ def test_a_shared_prompt_row_matches_each_sequence_run_whole():
     ids = torch.cat([prompt, *rests])[None]
     doc_ids = torch.cat([torch.full((len(x),), j) for j, x in enumerate([prompt, *rests])])[None]
     positions = torch.cat([torch.arange(11)] + [torch.arange(11, 11 + len(r)) for r in rests])[None]
-
-    def grads(loss):
-        m.zero_grad()
-        loss.backward()
-        return {n: p.grad.clone() for n, p in m.named_parameters() if p.grad is not None}
     tree = m(ids, positions=positions, doc_ids=doc_ids, shared_prefix=True)[0]
     whole = [m(torch.cat([prompt, r])[None])[0] for r in rests]
     torch.testing.assert_close(tree[:11], whole[0][:11], rtol=0, atol=1e-5)
     torch.testing.assert_close(tree[11:17], whole[0][11:], rtol=0, atol=1e-5)
     torch.testing.assert_close(tree[17:], whole[1][11:], rtol=0, atol=1e-5)
     # the prompt's outputs once plus each rest's: the same loss, so the same gradients
-    shared = grads(tree[:11].pow(2).sum() + tree[11:].pow(2).sum())
-    apart = grads(whole[0].pow(2).sum() + whole[1][11:].pow(2).sum())
+    shared = _grads(m, tree[:11].pow(2).sum() + tree[11:].pow(2).sum())
+    apart = _grads(m, whole[0].pow(2).sum() + whole[1][11:].pow(2).sum())
     for name in shared:
         torch.testing.assert_close(shared[name], apart[name], rtol=1e-3, atol=1e-4)
     # without shared_prefix the rests see only themselves
