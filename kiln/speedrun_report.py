@@ -149,6 +149,14 @@ def write_report(run_dir: Path, cfg, corpus: dict, pre: dict, n_trajs: int, tune
     lines += _table(["policy", "tasks x passes", "solved (± s.e.)", "best-of-K (± s.e.)", "tool calls that parse",
                      "rollouts that self-summarised", "stop reasons", "details"], rows)
     lines += ["Standard errors are over tasks (a task's passes are not independent).", ""]
+    errs = {p: s["after_first_error"] for p, s in benches.items() if p in ("local", "rl") and s.get("after_first_error")}
+    if errs:
+        lines += ["After a rollout's first failed tool call, what its next turn did (rollouts, and the share "
+                  "solved): no call failed, the same call again, another, or none.", ""]
+        kinds = [k for k in ("none", "repeated", "changed", "stopped") if any(k in e for e in errs.values())]
+        lines += _table(["model", *[{"none": "no call failed"}.get(k, k) for k in kinds]],
+                        [[p, *[f"{e[k]['rollouts']} ({e[k]['correctness_mean']:.0%})" if k in e else "-" for k in kinds]]
+                         for p, e in errs.items()])
     if "local" in benches:
         sft = benches["local"]
         lines += [f"The SFT model solves {sft['correctness_mean']:.1%} of its {sft['n_rollouts']} rollouts on tasks it "

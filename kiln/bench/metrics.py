@@ -114,7 +114,32 @@ def summarize(rows: list[dict], n_tasks: int, passes: int, **extra) -> dict:
         "stop_reasons": dict(Counter(r.get("stop_reason", "") for r in rows).most_common()),
         "rollout_s_mean": statistics.fmean(timings) if timings else 0.0,
         "summarised": summarised(rows),
+        "after_first_error": after_first_error(rows),
     }
+
+
+def first_error_then(tools: list) -> str:
+    """What a rollout did after its first failed tool call (harness ToolRecords): "none" failed,
+    "repeated" (the next turn made that call again), "changed" (it did something else) or
+    "stopped" (no call after it). On the tiny model the outcome turns on this (docs: "Copying")."""
+    failed = next((t for t in tools if not t.ok), None)
+    if failed is None:
+        return "none"
+    after = [t for t in tools if t.turn > failed.turn]
+    if not after:
+        return "stopped"
+    nxt = [(t.name, t.arguments) for t in after if t.turn == after[0].turn]
+    return "repeated" if (failed.name, failed.arguments) in nxt else "changed"
+
+
+def after_first_error(rows: list[dict]) -> dict[str, dict]:
+    """{first_error_then: {"rollouts", "correctness_mean"}} over the rows that record it."""
+    by: dict[str, list[float]] = defaultdict(list)
+    for r in rows:
+        if r.get("after_error"):
+            by[r["after_error"]].append(score(r))
+    order = ("none", "repeated", "changed", "stopped")
+    return {k: {"rollouts": len(by[k]), "correctness_mean": statistics.fmean(by[k])} for k in order if by[k]}
 
 
 def summarised(rows: list[dict]) -> dict:

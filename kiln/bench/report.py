@@ -125,6 +125,11 @@ def render_markdown(summary: dict, plots: dict[str, str]) -> str:
         rows = [[k, v, med.get(k, "")] if med else [k, v] for k, v in metrics.items()]
         lines += [f"### {axis.capitalize()}", ""] + _table(header, rows)
     lines += ["## Stop reasons", ""] + _table(["reason", "rollouts"], [[k or "(none)", v] for k, v in s["stop_reasons"].items()])
+    if s.get("after_first_error"):
+        lines += ["## After the first failed tool call", "",
+                  "What the next turn did: none failed, the same call again, something else, or nothing.", ""]
+        lines += _table(["then", "rollouts", "solved"], [[k, v["rollouts"], v["correctness_mean"]]
+                                                         for k, v in s["after_first_error"].items()])
     lines += ["## Plots", ""] + [f"![{PLOTS[name]}]({rel})" for name, rel in plots.items()] + [""]
     return "\n".join(lines)
 

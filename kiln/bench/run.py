@@ -30,7 +30,7 @@ from kiln.progress import tqdm
 from kiln.sandbox import Snapshot, create
 from kiln.tasks.record import Task, load_suite
 
-from .metrics import summarize
+from .metrics import first_error_then, summarize
 from .results import ResultLog, key
 
 POLICIES = ("oracle", "noop", "openai", "local")
@@ -111,6 +111,7 @@ def run_rollout(task: Task, pass_idx: int, policy_name: str, config, snapshot: S
     correctness = {k: v for k, v in grades["correctness"].items() if k != "log_tail"}  # the log stays in the trajectory
     return {"task_id": task.id, "pass": pass_idx, "category": task.category, "difficulty": task.difficulty,
             "policy": policy_name, "seed": seed, "stop_reason": traj.stop_reason,
+            "after_error": first_error_then(traj.tools),
             **grades, "correctness": correctness,
             "timings": {"sandbox_s": t1 - t0, "agent_s": t2 - t1, "grade_s": t3 - t2, "rollout_s": t3 - t0},
             "trajectory": os.path.relpath(path, out_dir), "finished_at": time.time()}

@@ -14,7 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from kiln.bench import BenchError, run_bench
-from kiln.bench.metrics import pass_at_k, summarize
+from kiln.bench.metrics import first_error_then, pass_at_k, summarize
 from kiln.bench.results import read_rows
 from kiln.config import Config, HarnessConfig, PolicyConfig
 from kiln.tasks.patch import make_patch
@@ -91,9 +91,11 @@ def test_oracle_and_noop_controls(suite, config, tmp_path):
     assert set(s["by_category"]) == {"bugfix", "feature", "refactor"} and set(s["by_difficulty"]) == {"1", "2", "3"}
     assert s["axes"]["quality"]["diff_ratio"] == 1.0 and s["axes"]["behaviour"]["tests_before_finish"] == 1.0
     assert s["axes"]["efficiency"]["tool_calls"] > 1 and s["stop_reasons"] == {"finished": 12}
+    assert s["after_first_error"] == {"none": {"rollouts": 12, "correctness_mean": 1.0}}
     assert check_outputs(str(tmp_path / "oracle"), 12) == s
     report = (tmp_path / "oracle" / "report.md").read_text()
     assert "## By category" in report and "## By difficulty" in report and "plots/best_of_k.png" in report
+    assert "## After the first failed tool call" in report and "| none | 12 | 1.0" in report
     row = read_rows(str(tmp_path / "oracle" / "results.jsonl"))[0]
     traj = json.loads((tmp_path / "oracle" / row["trajectory"]).read_text())
     assert traj["metadata"]["grades"]["correctness"]["resolved"] and traj["rewards"] == {"correctness": 1.0}
@@ -189,6 +191,24 @@ def test_summary_of_mixed_rows():
     for r in rows:
         r["efficiency"] = {"tool_calls": 0, "malformed_calls": 0}  # noop: no block written at all
     assert summarize(rows, n_tasks=3, passes=3)["tool_call_parse_rate"] is None
+
+
+def test_what_follows_the_first_failed_call_is_classified_and_counted():
+    from kiln.harness.trajectory import ToolRecord
+
+    def call(turn, args, ok):
+        return ToolRecord(turn, f"c{turn}", "edit_file", {"old_text": args}, ok, 0.0, 10)
+    assert first_error_then([call(0, "a", True), call(1, "b", True)]) == "none"
+    assert first_error_then([call(0, "a", True), call(1, "b", False), call(2, "b", False)]) == "repeated"
+    assert first_error_then([call(1, "b", False), call(2, "c", True), call(3, "b", False)]) == "changed"
+    assert first_error_then([call(0, "a", True), call(1, "b", False)]) == "stopped"
+    # two calls in the turn after: the failed one among them is a repeat
+    assert first_error_then([call(1, "b", False), call(2, "c", True), call(2, "b", False)]) == "repeated"
+    rows = [{"task_id": t, "pass": 0, "correctness": {"score": ok}, "after_error": a}
+            for t, ok, a in [("a", 1.0, "none"), ("b", 0.0, "repeated"), ("c", 1.0, "changed"), ("d", 0.0, "changed")]]
+    assert summarize(rows + [{"task_id": "e", "pass": 0, "correctness": {"score": 0.0}}], 5, 1)["after_first_error"] == {
+        "none": {"rollouts": 1, "correctness_mean": 1.0}, "repeated": {"rollouts": 1, "correctness_mean": 0.0},
+        "changed": {"rollouts": 2, "correctness_mean": 0.5}}  # a row from before the field counts in none
 
 
 def test_standard_errors_are_over_tasks_and_summaries_are_counted():

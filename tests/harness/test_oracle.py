@@ -128,6 +128,7 @@ def test_oracle_mistakes_are_recovered_and_never_trained_on(scfg, tmp_path):
                  policy=PolicyConfig(oracle_mistakes=1.0))
     s = run_bench(str(tmp_path / "suite"), "oracle", out_dir=str(tmp_path / "out"), config=cfg, progress=False)
     assert s["correctness_mean"] == 1.0
+    assert s["after_first_error"] == {"changed": {"rollouts": 4, "correctness_mean": 1.0}}  # the retry is another edit
     tok = load_tokenizer("bases/tiny")
     errors, elsewhere = set(), 0
     for f in sorted((tmp_path / "out" / "trajectories").glob("*.json")):
