@@ -153,7 +153,9 @@ def write_report(run_dir: Path, cfg, corpus: dict, pre: dict, n_trajs: int, tune
     if errs:
         lines += ["After a rollout's first failed tool call, what its next turn did (rollouts, and the share "
                   "solved): no call failed, the same call again, another, or none.", ""]
-        kinds = [k for k in ("none", "repeated", "changed", "stopped") if any(k in e for e in errs.values())]
+        from kiln.bench.metrics import AFTER_ERROR
+
+        kinds = [k for k in AFTER_ERROR if any(k in e for e in errs.values())]
         lines += _table(["model", *[{"none": "no call failed"}.get(k, k) for k in kinds]],
                         [[p, *[f"{e[k]['rollouts']} ({e[k]['correctness_mean']:.0%})" if k in e else "-" for k in kinds]]
                          for p, e in errs.items()])

@@ -118,6 +118,9 @@ def summarize(rows: list[dict], n_tasks: int, passes: int, **extra) -> dict:
     }
 
 
+AFTER_ERROR = ("none", "repeated", "changed", "stopped")  # first_error_then's answers, in report order
+
+
 def first_error_then(tools: list) -> str:
     """What a rollout did after its first failed tool call (harness ToolRecords): "none" failed,
     "repeated" (the next turn made that call again), "changed" (it did something else) or
@@ -138,8 +141,7 @@ def after_first_error(rows: list[dict]) -> dict[str, dict]:
     for r in rows:
         if r.get("after_error"):
             by[r["after_error"]].append(score(r))
-    order = ("none", "repeated", "changed", "stopped")
-    return {k: {"rollouts": len(by[k]), "correctness_mean": statistics.fmean(by[k])} for k in order if by[k]}
+    return {k: {"rollouts": len(by[k]), "correctness_mean": statistics.fmean(by[k])} for k in AFTER_ERROR if by[k]}
 
 
 def summarised(rows: list[dict]) -> dict:

@@ -208,7 +208,7 @@ def test_what_follows_the_first_failed_call_is_classified_and_counted():
             for t, ok, a in [("a", 1.0, "none"), ("b", 0.0, "repeated"), ("c", 1.0, "changed"), ("d", 0.0, "changed")]]
     assert summarize(rows + [{"task_id": "e", "pass": 0, "correctness": {"score": 0.0}}], 5, 1)["after_first_error"] == {
         "none": {"rollouts": 1, "correctness_mean": 1.0}, "repeated": {"rollouts": 1, "correctness_mean": 0.0},
-        "changed": {"rollouts": 2, "correctness_mean": 0.5}}  # a row from before the field counts in none
+        "changed": {"rollouts": 2, "correctness_mean": 0.5}}  # a row from before the field is left out
 
 
 def test_standard_errors_are_over_tasks_and_summaries_are_counted():
