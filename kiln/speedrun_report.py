@@ -85,6 +85,7 @@ def paired(a_dir: Path, b_dir: Path) -> dict | None:
 def write_report(run_dir: Path, cfg, corpus: dict, pre: dict, n_trajs: int, tuned: dict, benches: dict,
                  times: dict[str, float], rl: dict | None = None, probes: dict | None = None,
                  edits: dict | None = None) -> Path:
+    from kiln.bench.metrics import AFTER_ERROR
     from kiln.pretrain.corpus import describe_corpus
     from kiln.rl.report import plot_rl, rl_lines
 
@@ -151,10 +152,8 @@ def write_report(run_dir: Path, cfg, corpus: dict, pre: dict, n_trajs: int, tune
     lines += ["Standard errors are over tasks (a task's passes are not independent).", ""]
     errs = {p: s["after_first_error"] for p, s in benches.items() if p in ("local", "rl") and s.get("after_first_error")}
     if errs:
-        lines += ["After a rollout's first failed tool call, what its next turn did (rollouts, and the share "
-                  "solved): no call failed, the same call again, another, or none.", ""]
-        from kiln.bench.metrics import AFTER_ERROR
-
+        lines += [("After a rollout's first failed tool call, what its next turn did (rollouts, and the share "
+                   "solved): no call failed, the same call again, another, or none."), ""]
         kinds = [k for k in AFTER_ERROR if any(k in e for e in errs.values())]
         lines += _table(["model", *[{"none": "no call failed"}.get(k, k) for k in kinds]],
                         [[p, *[f"{e[k]['rollouts']} ({e[k]['correctness_mean']:.0%})" if k in e else "-" for k in kinds]]
