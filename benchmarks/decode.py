@@ -6,7 +6,8 @@
 2. speculative decoding with a self-distilled MTP head against kiln's own plain decoding at batch
    1 (the 8 prompts one after another): identical greedy outputs?, mean accepted drafts per step,
    speedup, both over the same prompts; drafts from the engine's
-   default draft vocabulary (the MTP's most frequent training tokens) and from the whole one;
+   default draft vocabulary (the MTP's most frequent training tokens) and from the whole one; and
+   the same at the bf16 sampler (part 4's), against its own plain decoding;
 3. acceptance of the self-distilled head against a head trained on hard next-token labels for the
    same number of steps from the same initialisation;
 4. the bf16 sampler (engine.dtype = "bfloat16": bf16 weight matrices, fp32 activations) against
@@ -26,7 +27,7 @@ tokenizer, skipping the training and part 3, and part 2 too unless the checkpoin
 module (mtp.safetensors, e.g. a pretraining run's).
 
 Last line: `name=value` pairs including speedup_vs_hf_b1, speedup_vs_hf_b8, greedy_identical,
-spec_mean_accepted, spec_speedup, spec_full_vocab_speedup, selfdistill_acceptance,
+spec_mean_accepted, spec_speedup, spec_full_vocab_speedup, spec_speedup_bf16, selfdistill_acceptance,
 hardlabel_acceptance, bf16_speedup_b1, bf16_speedup_b8.
 """
 from __future__ import annotations
@@ -233,6 +234,18 @@ def decode(args, tok, model, mtp_sd, mtp_hl, ckpt: Path) -> None:
     print(f"speculative, batch 1 ({len(prompts)} prompts in turn): drafts from {r['spec_draft_vocab']} tokens x{plain_s / spec_s:.2f} "
           f"({sd_stats.mean_accepted:.2f} accepted a step); from the whole vocabulary x{plain_s / full_s:.2f} "
           f"({full_stats.mean_accepted:.2f})", flush=True)
+    # The same at the bf16 sampler: a verification reads half the bytes (the tiny model's fp32
+    # weights, ~35 MB, exceed a 32 MB L3; its bf16 ones fit).
+    mtp_bf16, bf16 = copy.deepcopy(mtp_sd), torch.bfloat16  # a bf16 engine rounds its MTP in place too
+    kiln_generate(prompts[:1], mtp_bf16, batch=1, weights=rounded, dtype=bf16)  # warm up
+    (pb_s, (all_pb, _)), (sb_s, (all_sb, sb_stats)) = timed(
+        lambda: kiln_generate(prompts, batch=1, weights=rounded, dtype=bf16),
+        lambda: kiln_generate(prompts, mtp_bf16, batch=1, weights=rounded, dtype=bf16))
+    r["greedy_identical_bf16"] = all_pb == all_sb
+    r["spec_mean_accepted_bf16"] = sb_stats.mean_accepted
+    r["spec_speedup_bf16"] = pb_s / sb_s
+    print(f"speculative at the bf16 sampler, batch 1: x{pb_s / sb_s:.2f} its plain decoding "
+          f"({sb_stats.mean_accepted:.2f} accepted a step), same tokens: {all_pb == all_sb}", flush=True)
     r["selfdistill_acceptance"] = sd_stats.acceptance[0]
     r["selfdistill_mean_accepted"] = sd_stats.mean_accepted
     print("acceptance per draft position: self-distilled " + " ".join(f"{a:.3f}" for a in sd_stats.acceptance))

@@ -173,20 +173,26 @@ class Documents:
         out = []
         for b, spans in enumerate(self.rows):
             p = spans[0][1] if self.shared else 0  # the prefix's end: later spans continue [0, p)
+            # The first continuation runs the prefix's queries too: their outputs are the prefix's own.
+            reuse = bool(p) and len(spans) > 1 and spans[1][2]
             parts = []
-            for s, e, real in spans:
+            for i, (s, e, real) in enumerate(spans):
                 if not real:
                     parts.append(q.new_zeros(1, q.shape[1], e - s, q.shape[3]))
                     continue
+                if reuse and i == 0:
+                    continue
                 qkv = [t[b:b + 1, :, s:e] if not (s and p) else torch.cat([t[b:b + 1, :, :p], t[b:b + 1, :, s:e]], 2)
                        for t in (q, k, v)]
-                parts.append(self._span(*qkv, scale)[:, :, -(e - s):])  # the span's own queries
+                o = self._span(*qkv, scale)
+                parts.append(o if reuse and i == 1 else o[:, :, -(e - s):])  # the span's own queries
             out.append(parts[0] if len(parts) == 1 else torch.cat(parts, dim=2))
         return out[0] if len(out) == 1 else torch.cat(out)
 
     def _span(self, q, k, v, scale):
-        """Causal attention within q, k, v; a continuing span runs with its prefix's queries too, and
-        drops their outputs: SDPA's causal path skips the masked half, which an explicit mask would not."""
+        """Causal attention within q, k, v; a continuing span runs with its prefix's queries too (the
+        first keeps their outputs as the prefix's, the others drop them): SDPA's causal path skips
+        the masked half, which an explicit mask would not."""
         n = q.shape[2]
         if self.window is not None and n > self.window:
             return F.scaled_dot_product_attention(q, k, v, attn_mask=band(n, self.window, q.device),

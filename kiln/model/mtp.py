@@ -83,11 +83,12 @@ class MTP(nn.Module):
 
     def forward(self, model: CausalLM, hidden: torch.Tensor, input_ids: torch.Tensor,
                 positions: torch.Tensor | None = None, doc_ids: torch.Tensor | None = None,
-                detach_trunk: bool = True, keep: torch.Tensor | None = None) -> list[torch.Tensor]:
+                detach_trunk: bool = True, keep: torch.Tensor | None = None, shared: bool = False) -> list[torch.Tensor]:
         """Training forward over whole sequences. hidden: the trunk's output [B, T, D].
         Returns per depth k (1-based) logits [B, T-k, V]; row i predicts token i+k+1. With keep
         ([B, T] bool: the positions whose main-head logits were computed, e.g. SFT's assistant
-        targets), only rows i whose i+k is kept go through the head: [M_k, V], row-major order."""
+        targets), only rows i whose i+k is kept go through the head: [M_k, V], row-major order.
+        shared: each row's first document is a prompt its later ones continue (layers.Documents)."""
         b, t = input_ids.shape
         if positions is None:
             positions = torch.arange(t, device=input_ids.device).expand(b, t)
@@ -102,7 +103,7 @@ class MTP(nn.Module):
                 break
             pos = positions[:, :n]
             rope = rope_tables(model.model.inv_freq(h.device), pos, h.dtype)
-            mask = None if doc_ids is None else document_mask(doc_ids[:, :n])
+            mask = None if doc_ids is None else document_mask(doc_ids[:, :n], shared=shared)
             h = layer(h[:, :n], self.embed(model, input_ids[:, k:], detach_trunk), rope, mask)
             at = h if keep is None else h[keep[:, k:k + n]]
             out.append(self.logits(model, k - 1, at, detach_trunk))

@@ -1,7 +1,7 @@
 """Supervised fine-tuning (`kiln sft`): the last phase of continued pretraining, on chat-format
 agent trajectories (sft_data.py), with the pretraining step and state (trainer.py): loss on the
-assistant's tokens only, samples packed without attending to each other, MTP still trained by
-self-distillation, resumable."""
+assistant's tokens only, samples packed without attending to each other (a step's samples as one
+tree over their common prompt, computed once), MTP still trained by self-distillation, resumable."""
 from __future__ import annotations
 
 import hashlib
@@ -57,13 +57,14 @@ def sft(cfg, checkpoint, trajectories, run_dir, progress: bool = True) -> dict:
                    f"{int(d.mask.sum()):,} assistant tokens" + (f", {d.truncated} cut to fit" if d.truncated else ""))
     starts = [sum(ph.steps for ph in phases[:i]) for i in range(len(phases) + 1)]
     run.tick()
+    depth = run.mtp.depth if run.mtp is not None else 0  # a tree's prompt stops this short of the first target
     bar = tqdm(total=starts[-1], initial=run.step, desc="sft", unit="step", disable=not progress, dynamic_ncols=True)
     with bar:
         for ph, d, start, end in zip(phases, packs, starts, starts[1:]):
             while run.step < end:
                 def rows(step=run.step - start, ph=ph, d=d):
-                    b = d.rows(batch_rows(len(d), step, ph.batch_size, p.seed)).trimmed()
-                    return b.ids, b.docs, b.pos, b.mask
+                    b = d.rows(batch_rows(len(d), step, ph.batch_size, p.seed)).trees(ph.grad_accum, depth, tok.pad_id)
+                    return b.ids, b.docs, b.pos, b.mask, b.shared
                 _train_step(run, ph, start, p, rows, run.mtp is not None, device, autocast, metrics, bar)
                 if run.step % p.checkpoint_every == 0 or run.step == end:
                     run.tick()

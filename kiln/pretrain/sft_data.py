@@ -1,5 +1,6 @@
 """SFT data (`kiln sft`): agent trajectories as token sequences with an assistant-token loss mask,
-packed into rows whose samples never see each other.
+packed into rows whose samples never see each other; a step's rows become trees over their
+samples' common prompt (`Packed.trees`).
 
 A sample is one trajectory segment (a self-summary starts a new context, so a new sample), laid
 out token for token as the local policy feeds the model at inference (kiln/policies/local.py):
@@ -11,6 +12,7 @@ teach a layout the model never writes itself. The loss covers exactly the reply 
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -19,6 +21,8 @@ import torch
 from kiln.harness.trajectory import Segment, Trajectory
 from kiln.policies.local import _assistant_turn_end
 from kiln.pretrain.data import _step_seed
+
+MIN_SHARED = 64  # a shorter common prompt is not worth a tree
 
 
 class SftDataError(ValueError):
@@ -132,12 +136,45 @@ class Packed:
     docs: torch.Tensor  # sample index within the row; padding is -1
     pos: torch.Tensor  # positions, restarting at 0 in every sample
     truncated: int = 0  # samples cut to fit a row
+    shared: bool = False  # each row is a tree: its first document a prompt its later ones continue
 
     def __len__(self) -> int:
         return self.ids.shape[0]
 
     def rows(self, index) -> Packed:
         return Packed(self.ids[index], self.mask[index], self.docs[index], self.pos[index])
+
+    def trees(self, parts: int, margin: int, pad_id: int = 0, min_shared: int = MIN_SHARED) -> Packed:
+        """The rows as `parts` trees (one per micro-batch, padded alike): each part's samples as one
+        row, their common prompt once, then each sample's rest continuing it (layers.Documents,
+        shared). The loss is the same (the prompt carries no target); the step costs less (every
+        toy-task trajectory opens with the same ~850-token system message and tool schemas, 40%
+        of it). The prompt stops `margin` (the MTP depth) tokens short, so no MTP row that is
+        distilled reads a token past it. Rows as they are (trimmed) when a part shares less than
+        min_shared tokens or holds one sample."""
+        chunks = [range(len(self))[i:i + math.ceil(len(self) / parts)]
+                  for i in range(0, len(self), math.ceil(len(self) / parts))]
+        trees = [_tree(self._samples(c), margin, min_shared) for c in chunks]
+        if any(t is None for t in trees):
+            return self.trimmed()
+        span = max(len(ids) for ids, _, _, _ in trees)
+        out = Packed(torch.full((len(trees), span), pad_id, dtype=torch.long), torch.zeros(len(trees), span, dtype=torch.long),
+                     torch.full((len(trees), span), -1, dtype=torch.long), torch.arange(span).repeat(len(trees), 1),
+                     self.truncated, shared=True)
+        for r, t in enumerate(trees):
+            for field, values in zip((out.ids, out.mask, out.docs, out.pos), t):
+                field[r, :len(values)] = torch.tensor(values)
+        return out
+
+    def _samples(self, rows) -> list[tuple[list[int], list[int]]]:
+        """The (ids, mask) of every sample in `rows`, in order."""
+        out = []
+        for r in rows:
+            docs = self.docs[r]
+            for d in range(int(docs.max()) + 1):
+                at = docs == d
+                out.append((self.ids[r][at].tolist(), self.mask[r][at].tolist()))
+        return out
 
     def trimmed(self) -> Packed:
         """Without the trailing columns that are padding in every row. Padding is never a target
@@ -146,6 +183,27 @@ class Packed:
         real = (self.docs != -1).any(0).nonzero()
         end = int(real.max()) + 1 if len(real) else self.ids.shape[1]
         return Packed(self.ids[:, :end], self.mask[:, :end], self.docs[:, :end], self.pos[:, :end], self.truncated)
+
+
+def _tree(samples, margin: int, min_shared: int):
+    """(ids, mask, docs, positions) of one tree row over samples [(ids, mask)], or None: the prompt
+    is the longest run of tokens every sample opens with in which no position has a target
+    (mask 1 on the next token), less `margin`."""
+    if len(samples) < 2:
+        return None
+    first = samples[0][0]
+    n = min(len(ids) for ids, _ in samples)
+    p = next((i for i in range(n) if any(ids[i] != first[i] or mask[i] for ids, mask in samples)), n)
+    p -= 1 + margin  # position p - 1's target is token p
+    if p < min_shared:
+        return None
+    ids, mask, docs, pos = first[:p], [0] * p, [0] * p, list(range(p))
+    for d, (s_ids, s_mask) in enumerate(samples, start=1):
+        ids += s_ids[p:]
+        mask += s_mask[p:]
+        docs += [d] * (len(s_ids) - p)
+        pos += range(p, len(s_ids))
+    return ids, mask, docs, pos
 
 
 def pack(samples, seq_len: int, pad_id: int = 0) -> Packed:

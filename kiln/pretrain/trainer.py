@@ -306,9 +306,10 @@ def _train_step(run: Run, ph, start: int, p, make_batch, train_mtp: bool, device
 
 def _step(run: Run, batch: tuple, lr: float, train_mtp: bool, clip: float, accum: int, device: torch.device,
           autocast) -> dict:
-    """One optimizer step over `accum` micro-batches of batch = (ids, docs, positions, mask), each
-    [B, T + 1]: token t + 1 is the target at t where mask (None: all ones) is 1 at t + 1. The loss
-    is the mean over the whole batch's targets, so splitting it into micro-batches changes nothing.
+    """One optimizer step over `accum` micro-batches of batch = (ids, docs, positions, mask[,
+    shared]), each [B, T + 1]: token t + 1 is the target at t where mask (None: all ones) is 1 at
+    t + 1; shared: each row is a tree (sft_data.Packed.trees), one row per micro-batch. The loss is
+    the mean over the whole batch's targets, so splitting it into micro-batches changes nothing.
     Returns the row's loss fields."""
     model, mtp = run.model, run.mtp
     opts = [run.opt] + ([run.mtp_opt] if train_mtp else [])
@@ -318,23 +319,24 @@ def _step(run: Run, batch: tuple, lr: float, train_mtp: bool, clip: float, accum
         opt.zero_grad(set_to_none=True)
     coef = model.config.router_aux_loss_coef
     sums = {"loss": 0.0, "aux": 0.0, "mtp_loss": 0.0}
-    ids, docs, pos, mask = (t if t is None else t.to(device) for t in batch)
+    shared = len(batch) > 4 and batch[4]
+    ids, docs, pos, mask = (t if t is None else t.to(device) for t in batch[:4])
     targets = ids[:, 1:] if mask is None else ids[:, 1:].masked_fill(mask[:, 1:] == 0, -100)
     n_targets = max(1, int((targets != -100).sum()))
     for x, y, d, ps in zip(*(t.chunk(accum) for t in (ids[:, :-1], targets, docs[:, :-1], pos[:, :-1]))):
-        ps, d = unpacked(ps, d)
+        ps, d = (ps, d) if shared else unpacked(ps, d)
         # With a loss mask (SFT) the heads run only where there is a target: most of an agent
         # sample is prompt and tool output, and the vocabulary projection dominates a tiny model.
         keep = None if mask is None else y != -100
         with autocast:
-            out = model.trunk(x, positions=ps, doc_ids=d)
+            out = model.trunk(x, positions=ps, doc_ids=d, shared_prefix=shared)
             logits = model.head(out.hidden if keep is None else out.hidden[keep])
             # Summed and divided by the batch's target count: this micro-batch's share of the mean.
             loss = F.cross_entropy(logits.flatten(0, -2).float(), y.flatten() if keep is None else y[keep],
                                    ignore_index=-100, reduction="sum") / n_targets
             total = loss if out.aux_loss is None else loss + coef * out.aux_loss / accum
             if train_mtp:  # self-distillation wherever the main head ran (pretraining: every position)
-                m_loss, _ = mtp_loss(logits, mtp(model, out.hidden, x, ps, d, keep=keep), x, d, keep=keep)
+                m_loss, _ = mtp_loss(logits, mtp(model, out.hidden, x, ps, d, keep=keep, shared=shared), x, d, keep=keep)
                 total = total + m_loss / accum
                 sums["mtp_loss"] += float(m_loss.detach()) / accum
         total.backward()

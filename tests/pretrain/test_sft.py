@@ -6,6 +6,7 @@ Models are real: the tiny checkpoint (tests/tiny_model.py; untrained, vocab 512)
 """
 from __future__ import annotations
 
+import copy
 import json
 from pathlib import Path
 
@@ -192,6 +193,46 @@ def test_the_loss_counts_assistant_tokens_only():
         logits = model.head(model.trunk(ids[:, :-1]).hidden)
         want = F.cross_entropy(logits[mask[:, 1:] == 1], ids[:, 1:][mask[:, 1:] == 1])
     assert base == pytest.approx(float(want), rel=1e-5) and loss(ids, mask, accum=2) == pytest.approx(base, rel=1e-5)
+
+
+def test_trees_compute_the_rows_loss_and_gradients_with_the_prompt_once():
+    """An SFT step's samples as trees over their common prompt (what `kiln sft` runs): the same
+    loss, MTP loss and gradients as the rows as they are, from fewer tokens."""
+    model, mtp = tiny_model(seed=3)  # MTP depth 2: the prompt must stop 2 more tokens short
+    model.config.router_aux_loss_coef = 0.0  # the balance loss is over the tokens computed: the prompt once
+    p = load_config(None, []).pretrain
+    g = torch.Generator().manual_seed(2)
+    prompt = torch.randint(9, 500, (80,), generator=g).tolist()
+    samples = []
+    for n in (40, 25, 33, 12, 9):  # each sample: the prompt, then replies (targets) and tool output
+        rest = torch.randint(9, 500, (n,), generator=g).tolist()
+        samples.append((prompt + rest, [0] * 80 + [1] * (n // 2) + [0] * (n - n // 2 - 2) + [1, 1]))
+    packed = pack(samples, seq_len=200)  # four rows, one holding two samples
+    assert len(packed) == 4 and int((packed.docs == 1).any(1).sum()) == 1
+    rows = packed.rows([0, 1, 2, 3])
+    flat, trees = rows.trimmed(), rows.trees(parts=2, margin=mtp.depth)
+    assert trees.shared and not flat.shared and trees.ids.shape[0] == 2
+    assert trees.ids.numel() < 0.75 * flat.ids.numel()
+    assert trees.mask.sum() == flat.mask.sum()
+    # the prompt: 80 tokens less the one whose target is the first reply token, less the MTP depth
+    assert all((t.docs == 0).sum() == 80 - 1 - mtp.depth for t in (trees.rows([0]), trees.rows([1])))
+    assert [int(trees.pos[r][trees.docs[r] == d][0]) for r, d in ((0, 1), (0, 2), (1, 1), (1, 2), (1, 3))] == [77] * 5
+
+    def step(b):
+        run = Run(copy.deepcopy(model).train(), copy.deepcopy(mtp).train(), None, None)
+        run.opt, run.mtp_opt = trainer._adamw(run.model, p), trainer._adamw(run.mtp, p)
+        row = trainer._step(run, (b.ids, b.docs, b.pos, b.mask, b.shared), 0.0, True, 1.0, 2, torch.device("cpu"),
+                            torch.autocast("cpu", enabled=False))
+        return row, [q.grad for q in list(run.model.parameters()) + list(run.mtp.parameters())]
+
+    (want, want_g), (got, got_g) = step(flat), step(trees)
+    assert got["loss"] == pytest.approx(want["loss"], rel=1e-5)
+    assert got["mtp_loss"] == pytest.approx(want["mtp_loss"], rel=1e-5)
+    assert all((a is None) == (b is None) for a, b in zip(want_g, got_g))
+    assert all(torch.allclose(a, b, atol=1e-5, rtol=1e-4) for a, b in zip(want_g, got_g) if a is not None)
+    # a prompt shorter than min_shared, or a part with one sample: the rows as they are
+    assert not rows.trees(parts=2, margin=2, min_shared=100).shared
+    assert not rows.trees(parts=4, margin=2).shared
 
 
 def sft_cfg(tmp: Path, *overrides: str):
