@@ -19,10 +19,9 @@ from pathlib import Path
 import torch
 
 from kiln.harness.trajectory import Segment, Trajectory
+from kiln.model.layers import MIN_SHARED
 from kiln.policies.local import _assistant_turn_end
 from kiln.pretrain.data import _step_seed
-
-MIN_SHARED = 64  # a shorter common prompt is not worth a tree
 
 
 class SftDataError(ValueError):
@@ -152,8 +151,8 @@ class Packed:
         of it). The prompt stops `margin` (the MTP depth) tokens short, so no MTP row that is
         distilled reads a token past it. Rows as they are (trimmed) when a part shares less than
         min_shared tokens or holds one sample."""
-        chunks = [range(len(self))[i:i + math.ceil(len(self) / parts)]
-                  for i in range(0, len(self), math.ceil(len(self) / parts))]
+        size = math.ceil(len(self) / parts)  # torch.chunk's split, as trainer._step's micro-batches
+        chunks = [range(i, min(i + size, len(self))) for i in range(0, len(self), size)]
         trees = [_tree(self._samples(c), margin, min_shared) for c in chunks]
         if any(t is None for t in trees):
             return self.trimmed()

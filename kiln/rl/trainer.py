@@ -17,12 +17,13 @@ from dataclasses import dataclass
 
 import torch
 
+from kiln.model.layers import MIN_SHARED
+
 from .batch import Batch, collate, sequences
 from .loss import group_advantages, policy_loss, uniform_groups
 from .rewards import k1
 
 ROWS_PER_CHUNK = 4
-MIN_SHARED = 64  # a shorter common prompt is not worth a tree
 TREE_TOKENS = 16384  # a tree's packed length at most: what ROWS_PER_CHUNK rows of a 4k context hold
 
 
