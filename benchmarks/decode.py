@@ -20,7 +20,7 @@ meaningless). Prompts come from a package held out of training.
     .venv/bin/python benchmarks/decode.py [--depth 4] [--train-steps 300] [--mtp-steps 200]
 
 About 12 minutes on 2 cores (training is most of it); the timed arms of each comparison run in
-turn five times, and each takes its median. Each kiln engine is built once per arm, outside the
+turn nine times, and each takes its median. Each kiln engine is built once per arm, outside the
 timing, as the HF model is loaded once (with no prefix reuse, a call reuses nothing of the last). `--checkpoint DIR` decodes a trained checkpoint
 instead (e.g. the committed base, bases/tiny: the tiny preset's shape, trained on code) with its
 tokenizer, skipping the training and part 3, and part 2 too unless the checkpoint has an MTP
@@ -110,7 +110,7 @@ def train_mtp(model, mtp, data, steps: int, mode: str, device: str) -> float:
     return float(loss.detach())
 
 
-def timed(*fns, repeats: int = 5) -> list[tuple[float, object]]:
+def timed(*fns, repeats: int = 9) -> list[tuple[float, object]]:
     """(median seconds, last output) of each fn, run in turn `repeats` times: interleaved, so a
     drift in the machine's speed (this VM's swings by a fifth between minutes) hits every arm alike."""
     times, outs = [[] for _ in fns], [None] * len(fns)
