@@ -49,6 +49,14 @@ ROUTES = {  # path -> (method, App method name, admin only)
 }
 
 
+class _Server(ThreadingHTTPServer):
+    def handle_error(self, request, client_address) -> None:
+        """A client that left (a reset or closed pipe, e.g. between keep-alive requests) is not the
+        server's error: no traceback for it; anything else is reported as the stdlib does."""
+        if not isinstance(sys.exc_info()[1], (BrokenPipeError, ConnectionResetError)):
+            super().handle_error(request, client_address)
+
+
 class _Handler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
     server_version = "kiln-serve"
@@ -189,7 +197,7 @@ def serve(checkpoint: str | Path, host: str = "127.0.0.1", port: int = 8000, max
     runner = EngineRunner(Engine(model, tokenizer, mtp, max_batch=max_batch, max_len=max_len))
     app = App(runner, tokenizer, TokenBytes(ckpt / "tokenizer.json"), model_name or ckpt.resolve().name,
               request_timeout, admin_token, started=int(time.time()))
-    httpd = ThreadingHTTPServer((host, port), _Handler)
+    httpd = _Server((host, port), _Handler)
     httpd.app, httpd.app_log = app, access_log
     runner.start()
     return ServerHandle(httpd, runner, app)

@@ -7,6 +7,8 @@ from __future__ import annotations
 import json
 import os
 import random
+import socket
+import struct
 import time
 import urllib.error
 import urllib.request
@@ -348,3 +350,16 @@ def test_openai_policy_completes_a_toy_rollout(server, tcfg, tmp_path):
     assert all(t["prompt_tokens"] > 1000 and 0 < t["completion_tokens"] <= 16 for t in turns)
     assert traj["segments"][0]["messages"][2]["role"] == "assistant"
     assert row["correctness"]["score"] == 0
+
+
+def test_a_client_that_resets_its_connection_is_no_error(server, capfd):
+    # A keep-alive client that leaves with a reset (here forced: SO_LINGER 0) while the server waits
+    # for its next request: the server's read fails, and that is the client's business, not a traceback.
+    with socket.create_connection((server.host, server.port), timeout=10) as s:
+        s.sendall(f"GET /health HTTP/1.1\r\nHost: {server.host}\r\n\r\n".encode())
+        assert s.recv(4096).startswith(b"HTTP/1.")
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    time.sleep(0.5)  # the server's thread notices the reset
+    status, _ = http("GET", server.url + "/health")
+    assert status == 200
+    assert "Traceback" not in capfd.readouterr().err
