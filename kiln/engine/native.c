@@ -123,7 +123,7 @@ INLINE float hsum(const vf *s) {
 #if VW == 16
 /* hsum of each of 16 chunks, lane k of the result from s[k], by hsum's own tree (lanes l and l + 8,
  * then l and l + 4, then (0 + 2) + (1 + 3)), each level for all 16 at once: 15 adds where 16 hsums
- * take 64 instructions. */
+ * take 64 instructions. Products' row blocks and attention's 16-key score blocks use it. */
 INLINE vf hsum16(const vf *s) {
     vf y[8], z[4], w[2];
     for (int k = 0; k < 8; k++)
@@ -562,25 +562,13 @@ static void attend_out_any(int nb, int hd, const float *e, int64_t ld, const flo
  * keys. */
 INLINE void scores16(const int C, const vf *q, const float *k, int hd, float scale, float *scores) {
 #if VW == 16
-    vf c[8], d[4], e[2];
-    for (int j = 0; j < 8; j++) {
-        const float *k0 = k + (int64_t)(2 * j) * hd, *k1 = k0 + hd;
-        vf a0 = q[0] * loadv(k0), a1 = q[0] * loadv(k1);
-        for (int cc = 1; cc < C; cc++) {
-            a0 += q[cc] * loadv(k0 + 16 * cc);
-            a1 += q[cc] * loadv(k1 + 16 * cc);
-        }
-        c[j] = __builtin_shufflevector(a0, a1, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23)
-             + __builtin_shufflevector(a0, a1, 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+    vf a[16];
+    for (int j = 0; j < 16; j++) {
+        const float *kj = k + (int64_t)j * hd;
+        a[j] = q[0] * loadv(kj);
+        for (int cc = 1; cc < C; cc++) a[j] += q[cc] * loadv(kj + 16 * cc);
     }
-    for (int j = 0; j < 4; j++)
-        d[j] = __builtin_shufflevector(c[2 * j], c[2 * j + 1], 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27)
-             + __builtin_shufflevector(c[2 * j], c[2 * j + 1], 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
-    for (int j = 0; j < 2; j++)
-        e[j] = __builtin_shufflevector(d[2 * j], d[2 * j + 1], 0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29)
-             + __builtin_shufflevector(d[2 * j], d[2 * j + 1], 2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31);
-    storev(scores, (__builtin_shufflevector(e[0], e[1], 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30)
-                    + __builtin_shufflevector(e[0], e[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31)) * scale);
+    storev(scores, hsum16(a) * scale);
 #elif VW == 8
     for (int half = 0; half < 2; half++) {  /* 8 keys a pass: c holds lanes l + (l + 8) of key j */
         v8 c[8], d[4], e[2];
