@@ -1,6 +1,6 @@
 """`kiln rl`: the driver. It owns the orchestrator, runs the trainer and N rollout workers as Ray
 actors (a local Ray by default, a cluster by `ray.address` / `$RAY_ADDRESS`), and feeds them:
-prompts to idle workers, finished groups to the trainer.
+prompts to idle workers, each finished group to the trainer as it finishes.
 
 - Roles get `rl.trainer_resources` / `rl.worker_resources` (CPUs, GPUs, custom resources) in one
   placement group of strategy `rl.placement`: PACK/STRICT_PACK keep them together, SPREAD/
@@ -146,6 +146,7 @@ class Driver:
         self.asked: dict[str, float] = {}  # a worker's last version query
         self.metrics = _metrics(run)
         self.idle, self.idle_since = 0.0, None
+        self.handed, self.step_wait = [], 0.0  # the groups the trainer holds toward its next step, its wait for them
         self.ready_at = dict.fromkeys(self.roles, 0.0)  # roles to ask ready() (started, or restarting) and when
 
     def _opts(self, bundle: int, resources: dict, role: str) -> dict:
@@ -172,7 +173,7 @@ class Driver:
     def run(self) -> dict:
         self.progress = time.monotonic()
         try:
-            while not (self.orch.finished() and not self._busy("trainer", "step")):
+            while not (self.orch.finished() and not self._busy("trainer", "train")):
                 self._dispatch()
                 if self.calls:
                     done, _ = self.ray.wait(list(self.calls), num_returns=1, timeout=POLL_S)
@@ -213,15 +214,19 @@ class Driver:
             elif not self._busy(role, "version") and now - self.asked.get(role, 0) > 1.0:
                 self.asked[role] = now  # refused for lag: has the poller brought newer weights?
                 self._call(role, "version")
-        if self.info["trainer"] is not None and not self._busy("trainer", "step") and not self.orch.finished():
-            groups = self.orch.take(rl.groups_per_step, 0)
+        if self.info["trainer"] is not None and not self._busy("trainer", "train") and not self.orch.finished():
+            # Each group as soon as it is done: the trainer runs its forward and backward while the
+            # step's other groups are still rolling out, and steps once it holds groups_per_step.
+            groups = self.orch.take(rl.groups_per_step - len(self.handed), 0, least=1)
             if groups:
                 from .rollout import load_group
 
                 wait = now - (self.idle_since or now)
                 self.idle += wait
-                self._call("trainer", "step", [load_group(g["path"], g["started_version"]) for g in groups],
-                           wait, self.idle, payload=[g["id"] for g in groups])
+                self.step_wait += wait
+                self.handed += [g["id"] for g in groups]
+                self._call("trainer", "train", [load_group(g["path"], g["started_version"]) for g in groups],
+                           self.step_wait, self.idle, payload=list(self.handed))
             elif self.idle_since is None:
                 self.idle_since = now
 
@@ -264,13 +269,16 @@ class Driver:
                 self._restarted(role, payload["worker"], {**self.info[role], "name": value["name"]})
             path = keep_group(value["files"], str(self.dir / "groups"), payload["group"])
             self.orch.submit(payload["worker"], payload["group"], path, value["files"]["group.json"]["cost"])
-        elif kind == "step":
+        elif kind == "train":
             value, pid = value
             if pid != self.info[role]["pid"]:  # it died while idle; its next incarnation resumed from state/
                 self._restarted(role, f"pid {self.info[role]['pid']}", {**self.info[role], "pid": pid})
+            self.idle_since = time.monotonic()
+            if value is None:  # the groups are in; the step waits for more
+                return
             self.metrics.append(value)
             self.orch.trained(payload, value["step"])
-            self.idle_since = time.monotonic()
+            self.handed, self.step_wait = [], 0.0
             print(f"rl step {value['step']}/{self.rl.steps}: reward {value['reward_mean']:+.3f} solved "
                   f"{value['solved_mean']:.2f} best-of-{self.rl.group_size} {value['solved_best_of_k']:.2f} "
                   f"mismatch_kl {value.get('mismatch_kl_k3', 0):.2e} lag {value['group_lag']} "
@@ -281,6 +289,7 @@ class Driver:
         v = info["version"]
         self.orch.hello(v, info["trained"])
         self.metrics.truncate(v)
+        self.handed, self.step_wait = [], 0.0  # what it held toward its next step went back with hello()
         if info["metrics"] and not any(r["step"] == v for r in self.metrics.rows()):
             self.metrics.append(info["metrics"])  # it saved this step, then died before returning it
         self.idle_since = time.monotonic()
@@ -324,11 +333,11 @@ class Driver:
             info = self.info[role]
             where = cluster.node_of(info["node_id"]) if info else "a node not yet known"
             what = {"ready": "to start", "rollout": f"group {payload and payload['group']}",
-                    "step": f"a step on groups {payload}", "version": "its version"}[kind]
+                    "train": f"training on groups {payload}", "version": "its version"}[kind]
             out.append(f"the {role} on {where} ({what}, {now - since:.0f} s)")
         out += [f"the {role} to come back after a restart" for role in self.ready_at]
-        if self.info["trainer"] is not None and not self._busy("trainer", "step"):
-            out.append(f"the trainer for {self.rl.groups_per_step} finished group(s)")
+        if self.info["trainer"] is not None and not self._busy("trainer", "train"):
+            out.append(f"the trainer for {self.rl.groups_per_step - len(self.handed)} more finished group(s)")
         return "; ".join(out) or "nothing"
 
     def _get(self, ref, role: str, what: str):

@@ -1,5 +1,5 @@
-"""The RL trainer: a Ray actor. Groups in, one optimizer step, weights out (the loop that feeds it
-is the driver's, kiln/rl/launcher.py).
+"""The RL trainer: a Ray actor. Groups in as they finish, one optimizer step per rl.groups_per_step
+of them, weights out (the loop that feeds it is the driver's, kiln/rl/launcher.py).
 
 Deliberate deviations from textbook GRPO (RECIPE.md "RL"), and why:
 - Advantage = reward - group mean, no division by the group's std (Dr. GRPO): std scaling
@@ -66,18 +66,25 @@ class Trainer:
         """Where it runs, its version, the groups its state holds as trained and that step's metrics."""
         return {**self.where, "version": self.trainer.version, "trained": self.trained, "metrics": self.last}
 
-    def step(self, groups: list, wait_s: float, idle_s: float) -> tuple[dict, int]:
-        """One optimizer step on `groups` (rollout.Group); state saved, then published; -> the metrics
-        row and this process's pid (the driver notices a restart between calls by it)."""
+    def train(self, groups: list, wait_s: float, idle_s: float) -> tuple[dict | None, int]:
+        """Add `groups` (rollout.Group) to the coming step, their forward and backward run now; once
+        rl.groups_per_step are in, one optimizer step, its state saved, then published. -> the step's
+        metrics row (None while the step still waits for groups) and this process's pid (the driver
+        notices a restart between calls by it)."""
         from kiln.pretrain.checkpointing import save_state
 
         from .trainer import sampler_weights
 
-        m = self.trainer.step(groups)
-        self.trained += [g.id for g in groups]
-        lags = [self.trainer.version - 1 - g.started_version for g in groups]
+        for g in groups:
+            self.trainer.add(g)
+        if self.trainer.pending < self.rl.groups_per_step:
+            return None, self.where["pid"]
+        steps = self.trainer.acc["groups"]
+        m = self.trainer.step()
+        self.trained += [g.id for g in steps]
+        lags = [self.trainer.version - 1 - g.started_version for g in steps]
         row = {"step": self.trainer.version, **m, "wait_s": wait_s, "idle_s": idle_s,
-               "elapsed_s": time.monotonic() - self.began, "group_lag": lags, "groups": [g.id for g in groups],
+               "elapsed_s": time.monotonic() - self.began, "group_lag": lags, "groups": [g.id for g in steps],
                "wall": time.time()}
         save_state(self.run, self.model, None, Path(self.ckpt),
                    {"opt": self.trainer.opt.state_dict(), "version": self.trainer.version, "trained": self.trained,

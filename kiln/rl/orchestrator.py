@@ -128,13 +128,15 @@ class Orchestrator:
             self._save()
             self.changed.notify_all()
 
-    def take(self, n: int, timeout: float) -> list[dict]:
-        """The next n finished groups in finishing order, waiting up to `timeout` s; [] if fewer."""
+    def take(self, n: int, timeout: float, least: int | None = None) -> list[dict]:
+        """Up to the next n finished groups in finishing order, once at least `least` (default n) are
+        done, waiting up to `timeout` s; [] if fewer."""
+        least = n if least is None else least
         with self.changed:
             ready = lambda: [i for i in self.s.order if self.s.groups[i].status == "done"]
-            self.changed.wait_for(lambda: len(ready()) >= n, timeout)
+            self.changed.wait_for(lambda: len(ready()) >= least, timeout)
             ids = ready()[:n]
-            if len(ids) < n:
+            if len(ids) < least:
                 return []
             for i in ids:
                 self.s.groups[i].status = "handed"

@@ -1,12 +1,14 @@
 """One RL optimizer step on finished groups: rewards (k1 included), advantages, the replayed
-forward, the policy-gradient loss, Adam, and the step's metrics.
+forward, the policy-gradient loss, Adam, and the step's metrics. Each group's forward and backward
+run when it is added (RLTrainer.add, as its rollouts finish); the step applies their sum.
 
 The trainer scores each sampled token under softmax(logits / temperature), the distribution the
 sampler drew it from and recorded the logprob of. Only target positions go through the output
 head (a rollout is mostly prompt and tool output). A group's rollouts run as one tree, their
 shared prompt computed once (_tree_logp); other rows a few at a time, shortest first, each chunk cut
-to its longest row (padding to the batch's longest cost ~30% of a step). The gradients accumulate;
-each chunk's loss is scaled so the sum equals the loss over the whole batch under every aggregation.
+to its longest row (padding to the batch's longest cost ~30% of a step). The gradients accumulate
+over chunks and groups, and sum to the gradient of the loss over the whole step under every
+aggregation (the step-wide divisors of token_mean and seq_mean are applied once, at the step).
 """
 from __future__ import annotations
 
@@ -107,6 +109,7 @@ def _logp(model, hidden: torch.Tensor, targets: torch.Tensor, temperature: float
 class RLTrainer:
     def __init__(self, model, rl, ref_model=None, version: int = 0):
         self.model, self.rl, self.ref, self.version = model, rl, ref_model, version
+        self.acc: dict | None = None  # what add() has accumulated toward the next step
         self.trees = True  # a group's rollouts run as one tree over their prompt (False: padded rows, the old way)
         if not rl.train_embeddings:
             model.model.embed_tokens.weight.requires_grad_(False)
@@ -116,64 +119,108 @@ class RLTrainer:
         if ref_model is not None:
             ref_model.requires_grad_(False).eval()
 
-    def step(self, groups: list[Group]) -> dict:
-        """Train on the groups; returns the step's metrics (the version after it included)."""
+    @property
+    def pending(self) -> int:
+        """Groups added since the last step."""
+        return len(self.acc["groups"]) if self.acc else 0
+
+    def add(self, group: Group) -> None:
+        """Run one group's forward and backward into the coming step's gradients. Groups arrive as
+        their rollouts finish, so a step's compute overlaps the rollouts of its later groups; `step`
+        applies what the added groups sum to. Advantages are per group, so nothing here depends on
+        the step's other groups: only the batch-wide divisors (token_mean, seq_mean), which `step`
+        applies to the summed gradient."""
         t0, rl = time.monotonic(), self.rl
-        trajs = [t for g in groups for t in g.trajectories]
-        axes = [r for g in groups for r in g.rewards]
-        gid = torch.tensor([g.id for g in groups for _ in g.trajectories])
+        if not self.acc:
+            self.opt.zero_grad(set_to_none=True)
+            self.acc = {"groups": [], "reward": [], "kl": [], "d": [], "lag": Counter(), "loss": 0.0, "replaced": 0,
+                        "mixed": 0, "rows": 0, "tokens": 0.0, "trained_rows": 0, "seconds": 0.0, "unmeasured": None}
+        acc, trajs = self.acc, group.trajectories
         # By length, so each chunk of rows is about as long as its longest (target_logp trims it).
         seqs = sorted((s for i, t in enumerate(trajs) for s in sequences(t, i)), key=lambda s: len(s.ids))
         batch = collate(seqs)
-        n_rows, n_tokens = len(seqs), float(batch.mask.sum())
-        row_group = gid[batch.traj] if self.trees else None  # a group's rollouts share its prompt: trees
+        n_rows = len(seqs)
+        one_tree = torch.zeros(n_rows, dtype=torch.long) if self.trees else None  # rollouts share the prompt
 
         kl = torch.zeros(len(trajs))  # summed k1 per rollout, in the reward (detached)
         self.model.train()
         with torch.no_grad():
             if self.ref is not None and rl.kl_coef > 0:
-                for rows, tree in _chunks(batch, torch.arange(n_rows), row_group):
+                for rows, tree in _chunks(batch, torch.arange(n_rows), one_tree):
                     pol, _ = target_logp(self.model, batch, rows, rl.temperature, True, rl.replay_ratio, tree)
                     ref, _ = target_logp(self.ref, batch, rows, rl.temperature, True, rl.replay_ratio, tree)
                     kl.index_add_(0, batch.traj[rows], (k1(pol, ref) * batch.mask[rows]).sum(1))
-        reward = torch.tensor([sum(a.values()) for a in axes]) - rl.kl_coef * kl
+        reward = torch.tensor([sum(a.values()) for a in group.rewards]) - rl.kl_coef * kl
+        gid = torch.zeros(len(trajs), dtype=torch.long)
         adv = group_advantages(reward, gid, scale_std=rl.scale_std)
-        uniform = uniform_groups(torch.tensor([a["correctness"] for a in axes]), gid)
-        if rl.mixed_groups_only:  # DAPO's filter: without a solve/fail contrast only the side terms would teach
-            adv[uniform] = 0.0
+        uniform = bool(uniform_groups(torch.tensor([a["correctness"] for a in group.rewards]), gid).all())
+        if uniform and rl.mixed_groups_only:  # DAPO's filter: without a solve/fail contrast only the side terms would teach
+            adv[:] = 0.0
         if rl.positive_only:  # learn from what went better than the group, never push a sample down
             adv = adv.clamp(min=0.0)
 
-        self.opt.zero_grad(set_to_none=True)
-        loss_sum, replaced = 0.0, 0
         trainer_lp = torch.zeros_like(batch.mask)
         # Per token: the rollout's advantage, minus the penalty on the turns whose tool call failed.
         token_adv = adv[batch.traj][:, None] - rl.failed_call_penalty * batch.failed
         # A row whose generated tokens all have advantage 0 adds nothing to the gradient under every
         # aggregation: it is not run (with mixed_groups_only or positive_only, most rows of a step).
         trained = ((token_adv != 0) & batch.mask.bool()).any(1)
-        for rows, tree in _chunks(batch, trained.nonzero()[:, 0], row_group):
+        for rows, tree in _chunks(batch, trained.nonzero()[:, 0], one_tree):
             lp, r = target_logp(self.model, batch, rows, rl.temperature, True, rl.replay_ratio, tree)
-            loss = _chunk_loss(lp, token_adv[rows], batch, rows, rl, n_rows, n_tokens)
+            loss = _chunk_loss(lp, token_adv[rows], batch, rows, rl)
             loss.backward()
-            loss_sum += float(loss.detach())
-            replaced += r
+            acc["loss"] += float(loss.detach())
+            acc["replaced"] += r
             trainer_lp[rows] = lp.detach()
-        measured = trained.clone()
-        if not trained.any() and n_rows:  # nothing to train: the mismatch is still measured, on the shortest rows
-            rows = _chunks(batch, torch.arange(n_rows))[0][0]
+        keep = batch.mask.bool() & trained[:, None]
+        if keep.any():
+            acc["d"].append((trainer_lp - batch.sampler_logp)[keep])
+        elif acc["unmeasured"] is None and n_rows:
+            acc["unmeasured"] = batch  # a step with nothing to train still measures the mismatch (step)
+        acc["groups"].append(group)
+        acc["reward"].append(reward)
+        acc["kl"].append(kl)
+        acc["lag"] += _lag(batch, self.version)
+        acc["mixed"] += not uniform
+        acc["rows"] += n_rows
+        acc["tokens"] += float(batch.mask.sum())
+        acc["trained_rows"] += int(trained.sum())
+        acc["seconds"] += time.monotonic() - t0
+
+    def step(self, groups: list[Group] = ()) -> dict:
+        """add() each of `groups`, then one optimizer step on every group added since the last; returns
+        the step's metrics (the version after it included)."""
+        for g in groups:
+            self.add(g)
+        if not self.acc:
+            raise ValueError("an RL step needs at least one group")
+        t0, rl, acc = time.monotonic(), self.rl, self.acc
+        # add() summed the token terms; token_mean and seq_mean divide by the whole step's count.
+        scale = {"token_mean": 1 / max(acc["tokens"], 1.0), "seq_mean": 1 / max(acc["rows"], 1)}.get(rl.aggregation, 1.0)
+        if scale != 1.0:
+            for p in self.model.parameters():
+                if p.grad is not None:
+                    p.grad.mul_(scale)
+        d = torch.cat(acc["d"]) if acc["d"] else None
+        if d is None and acc["unmeasured"] is not None:  # nothing trained: measured on the shortest rows
+            batch = acc["unmeasured"]
+            rows = _chunks(batch, torch.arange(len(batch.ids)))[0][0]
             with torch.no_grad():
-                trainer_lp[rows] = target_logp(self.model, batch, rows, rl.temperature, True, rl.replay_ratio)[0]
-            measured[rows] = True
+                lp = target_logp(self.model, batch, rows, rl.temperature, True, rl.replay_ratio)[0]
+            d = (lp - batch.sampler_logp[rows])[batch.mask[rows].bool()]
         grad_norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), rl.grad_clip or math.inf))
         self.opt.step()
         self.version += 1
-        return {"version": self.version, "loss": loss_sum, "grad_norm": grad_norm, "replaced_experts": replaced,
-                **mismatch(trainer_lp, batch, measured), **_reward_metrics(groups, reward, kl),
-                **_tokens(trajs), "lag": _lag(batch, self.version - 1),
-                "groups_mixed": len(groups) - len(set(gid[uniform].tolist())), "train_tokens": int(n_tokens),
-                "trained_rows": int(trained.sum()), "step_s": time.monotonic() - t0,
-                "tokens_per_s": n_tokens / max(time.monotonic() - t0, 1e-9)}
+        self.acc = None
+        groups = acc["groups"]
+        seconds = acc["seconds"] + time.monotonic() - t0
+        return {"version": self.version, "loss": acc["loss"] * scale, "grad_norm": grad_norm,
+                "replaced_experts": acc["replaced"], **(_mismatch(d) if d is not None and len(d) else {}),
+                **_reward_metrics(groups, torch.cat(acc["reward"]), torch.cat(acc["kl"])),
+                **_tokens([t for g in groups for t in g.trajectories]), "lag": dict(sorted(acc["lag"].items(), key=lambda kv: int(kv[0]))),
+                "groups_mixed": acc["mixed"], "train_tokens": int(acc["tokens"]),
+                "trained_rows": acc["trained_rows"], "step_s": seconds,
+                "tokens_per_s": acc["tokens"] / max(seconds, 1e-9)}
 
 
 def sampler_weights(model, dtype: str) -> dict[str, torch.Tensor]:
@@ -212,24 +259,28 @@ def _chunks(batch: Batch, rows: torch.Tensor, group: torch.Tensor | None = None)
     return out + [(torch.tensor(rest[i:i + ROWS_PER_CHUNK]), False) for i in range(0, len(rest), ROWS_PER_CHUNK)]
 
 
-def _chunk_loss(lp, adv, batch: Batch, rows, rl, n_rows: int, n_tokens: float) -> torch.Tensor:
-    """This chunk's share of the whole batch's loss under the configured aggregation."""
+def _chunk_loss(lp, adv, batch: Batch, rows, rl) -> torch.Tensor:
+    """This chunk's terms under the configured aggregation, before the step-wide divisor: "constant"
+    is final; "token_mean" is the chunk's summed terms and "seq_mean" its summed per-row means, which
+    RLTrainer.step divides by the step's tokens or rows."""
     mask = batch.mask[rows]
     tis = {"sampler_logp": batch.sampler_logp[rows], "tis_cap": rl.tis_cap} if rl.tis_cap else {}
     if rl.aggregation == "constant":
         return policy_loss(lp, adv, mask, "constant", rl.loss_constant, **tis)
-    if rl.aggregation == "token_mean":  # sum over the chunk / tokens of the whole batch
-        return policy_loss(lp, adv, mask, "constant", max(n_tokens, 1.0), **tis)
-    return policy_loss(lp, adv, mask, "seq_mean", **tis) * (mask.shape[0] / n_rows)
+    if rl.aggregation == "token_mean":
+        return policy_loss(lp, adv, mask, "constant", 1.0, **tis)
+    return policy_loss(lp, adv, mask, "seq_mean", **tis) * mask.shape[0]
 
 
 def mismatch(trainer_lp: torch.Tensor, batch: Batch, trained: torch.Tensor) -> dict:
     """Train/inference mismatch on the sampled tokens of the trained rows: KL(sampler || trainer) by
     k1 and k3, the largest logprob gap, and statistics of the ratio pi_trainer / pi_sampler."""
     keep = batch.mask.bool() & trained[:, None]
-    if not keep.any():
-        return {}
-    d = (trainer_lp - batch.sampler_logp)[keep]  # log(pi_train / pi_sampler)
+    return _mismatch((trainer_lp - batch.sampler_logp)[keep]) if keep.any() else {}
+
+
+def _mismatch(d: torch.Tensor) -> dict:
+    """mismatch() of the sampled tokens' log(pi_train / pi_sampler)."""
     ratio = d.exp()
     return {"mismatch_kl_k1": float(-d.mean()), "mismatch_kl_k3": float((ratio - 1 - d).mean()),
             "mismatch_max_abs": float(d.abs().max()), "ratio_mean": float(ratio.mean()),
@@ -256,7 +307,7 @@ def _tokens(trajs) -> dict:
             "rollouts": len(trajs), "summarised": sum(len(t.segments) > 1 for t in trajs)}
 
 
-def _lag(batch: Batch, trained_at: int) -> dict[str, int]:
+def _lag(batch: Batch, trained_at: int) -> Counter:
     """How many versions behind the trained policy each target token was sampled: {lag: tokens}."""
     v = batch.version[batch.mask.bool()]
-    return {str(k): n for k, n in sorted(Counter((trained_at - v).tolist()).items())}
+    return Counter(str(k) for k in (trained_at - v).tolist())

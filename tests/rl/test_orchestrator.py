@@ -29,8 +29,11 @@ def test_max_lag_zero_is_synchronous_and_a_step_unlocks_the_next_version(tmp_pat
     o = Orchestrator(str(tmp_path / "o.json"), _prompts(), _rl())
     assert _drain(o) == [0, 1]  # one step's worth, then admission says wait
     assert o.next_job("w", 0) is None
-    taken = o.take(2, timeout=0.1)
-    assert [g["id"] for g in taken] == [0, 1]
+    assert o.take(3, timeout=0.1) == []  # fewer done than asked
+    # least=1: what is done so far (the driver hands each group to the trainer as it is done).
+    assert [g["id"] for g in o.take(2, timeout=0.1, least=1)] == [0, 1]
+    assert o.take(1, timeout=0.1, least=1) == []  # both are with the trainer now
+    assert o.counts() == {"handed": 2}
     assert o.next_job("w", 0) is None  # still version 0: the next groups would train at version 1
     o.trained([0, 1], version=1)
     assert o.next_job("w", 0) is None  # a worker still on version 0 may not start

@@ -113,6 +113,36 @@ def test_a_step_moves_logprobs_with_the_advantage_and_logs_the_metrics(setup, ag
     assert m["rollouts"] == 4 and m["summarised"] == 0  # one segment each
 
 
+@pytest.mark.parametrize("aggregation", ["constant", "token_mean", "seq_mean"])
+def test_groups_added_as_they_finish_make_the_whole_steps_loss_and_gradient(setup, aggregation):
+    """The driver hands the trainer each group as its rollouts finish (RLTrainer.add runs its forward
+    and backward then); the step's loss and gradient are those of the whole batch at once."""
+    from kiln.rl.loss import policy_loss
+
+    ckpt, trajs = setup
+    rl = Config().rl.model_copy(update={"aggregation": aggregation, "temperature": 1.0})
+    model, _ = load_checkpoint(ckpt, with_mtp=False)
+    trainer = RLTrainer(model, rl)
+    rewards = [{"correctness": c} for c in (1.0, 0.0, 0.0, 0.5)]
+    trainer.add(Group(0, "a", "k", trajs[:2], rewards[:2]))
+    assert trainer.pending == 1 and trainer.version == 0  # no step yet: the weights are untouched
+    trainer.add(Group(1, "b", "k", trajs[2:], rewards[2:]))
+    m = trainer.step()
+    assert trainer.pending == 0 and m["version"] == 1 and m["rollouts"] == 4
+
+    ref, _ = load_checkpoint(ckpt, with_mtp=False)  # the same loss over the whole batch in one piece
+    batch = collate([s for i, t in enumerate(trajs) for s in sequences(t, i)])
+    adv = torch.tensor([0.5, -0.5, -0.25, 0.25])[batch.traj]  # reward - its group's mean
+    lp, _ = target_logp(ref, batch, slice(0, len(batch.ids)), 1.0, True, rl.replay_ratio)
+    loss = policy_loss(lp, adv, batch.mask, aggregation, rl.loss_constant)
+    loss.backward()
+    norm = torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in ref.parameters() if p.grad is not None]))
+    assert m["loss"] == pytest.approx(float(loss.detach()), rel=1e-4, abs=1e-7)
+    assert m["grad_norm"] == pytest.approx(float(norm), rel=1e-4) and m["grad_norm"] > 0
+    with pytest.raises(ValueError, match="at least one group"):
+        trainer.step()
+
+
 def test_a_groups_rollouts_train_as_one_tree_over_their_prompt_with_the_same_loss(setup):
     """Rollouts that open with one long prompt run as a tree (the prompt once): each row's logprobs
     are its own run's and the sampler's, and a step's loss and gradient norm are the padded rows'."""
