@@ -77,9 +77,9 @@ class Trainer:
 
         for g in groups:
             self.trainer.add(g)
-        if self.trainer.pending < self.rl.groups_per_step:
+        steps = self.trainer.pending
+        if len(steps) < self.rl.groups_per_step:
             return None, self.where["pid"]
-        steps = self.trainer.acc["groups"]
         m = self.trainer.step()
         self.trained += [g.id for g in steps]
         lags = [self.trainer.version - 1 - g.started_version for g in steps]

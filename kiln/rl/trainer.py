@@ -120,9 +120,9 @@ class RLTrainer:
             ref_model.requires_grad_(False).eval()
 
     @property
-    def pending(self) -> int:
-        """Groups added since the last step."""
-        return len(self.acc["groups"]) if self.acc else 0
+    def pending(self) -> list[Group]:
+        """The groups added since the last step, in the order they came."""
+        return list(self.acc["groups"]) if self.acc else []
 
     def add(self, group: Group) -> None:
         """Run one group's forward and backward into the coming step's gradients. Groups arrive as

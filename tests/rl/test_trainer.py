@@ -125,10 +125,10 @@ def test_groups_added_as_they_finish_make_the_whole_steps_loss_and_gradient(setu
     trainer = RLTrainer(model, rl)
     rewards = [{"correctness": c} for c in (1.0, 0.0, 0.0, 0.5)]
     trainer.add(Group(0, "a", "k", trajs[:2], rewards[:2]))
-    assert trainer.pending == 1 and trainer.version == 0  # no step yet: the weights are untouched
+    assert [g.id for g in trainer.pending] == [0] and trainer.version == 0  # no step yet: weights untouched
     trainer.add(Group(1, "b", "k", trajs[2:], rewards[2:]))
     m = trainer.step()
-    assert trainer.pending == 0 and m["version"] == 1 and m["rollouts"] == 4
+    assert trainer.pending == [] and m["version"] == 1 and m["rollouts"] == 4
 
     ref, _ = load_checkpoint(ckpt, with_mtp=False)  # the same loss over the whole batch in one piece
     batch = collate([s for i, t in enumerate(trajs) for s in sequences(t, i)])
