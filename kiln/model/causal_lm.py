@@ -70,12 +70,16 @@ class CausalLM(nn.Module):
 
     def trunk(self, input_ids: torch.Tensor, positions: torch.Tensor | None = None, cache=None,
               routes: torch.Tensor | None = None, doc_ids: torch.Tensor | None = None,
-              replay_ratio: float = DEFAULT_REPLAY_RATIO, shared_prefix: bool = False) -> TrunkOutput:
+              replay_ratio: float = DEFAULT_REPLAY_RATIO, shared_prefix: bool = False,
+              at: torch.Tensor | None = None) -> TrunkOutput:
         """input_ids [B, T]; positions [B, T] (default 0..T-1; required with a cache); routes
         [B, T, n_moe_layers, k] to replay (MoE families only); doc_ids [B, T] keep packed
         documents from attending to each other (pass positions that restart per document).
         shared_prefix: each row's first document is a prompt its later documents all continue
-        (layers.Documents; their positions continue the prompt's)."""
+        (layers.Documents; their positions continue the prompt's). at ([B, T] bool, no cache):
+        the hidden states at those positions only, [M, D] in row-major order, and routes None:
+        the last layer runs its queries and MLP there alone (a training forward whose loss reads
+        a fraction of the positions: SFT's and RL's targets)."""
         b, t = input_ids.shape
         if routes is not None and not self.config.moe_layers:
             raise ValueError(f"router replay is for mixture-of-experts models only; this "
@@ -87,7 +91,8 @@ class CausalLM(nn.Module):
         x = self.embed(input_ids)
         ropes, masks = {}, {}
         used, aux, replaced, m = [], None, 0, 0
-        for layer in self.model.layers:
+        last = len(self.model.layers) - 1
+        for i, layer in enumerate(self.model.layers):
             window = layer.self_attn.window
             local = self.local_rope and window is not None
             if local not in ropes:
@@ -97,13 +102,16 @@ class CausalLM(nn.Module):
             replay = None
             if routes is not None and getattr(layer.mlp, "routed", False):
                 replay = routes[:, :, m]
-            x, idx, a, r = layer(x, ropes[local], masks.get(window), cache, replay, replay_ratio)
+            if at is not None and i == last:
+                x, idx, a, r = _layer_at(layer, x, ropes[local], masks.get(window), at, replay, replay_ratio)
+            else:
+                x, idx, a, r = layer(x, ropes[local], masks.get(window), cache, replay, replay_ratio)
             if idx is not None:
                 used.append(idx)
                 m += 1
                 replaced += r
                 aux = a if aux is None else (aux if a is None else aux + a)
-        return TrunkOutput(x, torch.stack(used, dim=2) if used else None, aux, replaced)
+        return TrunkOutput(x, torch.stack(used, dim=2) if used and at is None else None, aux, replaced)
 
     def head(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = self.lm_head(self.model.norm(hidden))
@@ -117,3 +125,12 @@ class CausalLM(nn.Module):
         """Long-context extension: a larger RoPE base, as continued pretraining's second phase."""
         self.config.rope_theta = theta
         self.model._inv_freq = {}
+
+
+def _layer_at(layer, x, rope, mask, at, replay, ratio):
+    """A decoder layer's forward at the positions `at` only (trunk(at=)): queries and MLP there
+    alone where the layer has full attention and forward_at, else the whole layer, then selected."""
+    if hasattr(layer, "forward_at") and layer.self_attn.window is None:
+        return layer.forward_at(x, rope, mask, at, replay, ratio)
+    x, idx, a, r = layer(x, rope, mask, None, replay, ratio)
+    return x[at], None if idx is None else idx[at], a, r

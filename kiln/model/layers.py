@@ -137,6 +137,44 @@ class Attention(nn.Module):
                                                is_causal=mask is None and t > 1, scale=self.scale)
         return self.o_proj(o.transpose(1, 2).reshape(b, t, -1))
 
+    def forward_at(self, x, rope, mask, rows):
+        """forward's outputs at rows ([B, T] bool) only, [M, D] in row-major order, without a cache:
+        keys and values at every position, queries at those rows alone (a training forward whose
+        later layers and loss read only those rows)."""
+        if self.window is not None:
+            raise ValueError("forward_at takes full attention only, not a sliding window")
+        b, t, _ = x.shape
+        shape = (b, t, -1, self.head_dim)
+        k = self.k_proj(x).view(shape)
+        k = apply_rope((self.k_norm(k) if self.qk_norm else k).transpose(1, 2), rope)
+        v = self.v_proj(x).view(shape).transpose(1, 2)
+        cos, sin, rot = rope
+        out = []
+        for i in range(b):
+            at = rows[i].nonzero().squeeze(1)
+            if not len(at):
+                continue
+            q = self.q_proj(x[i, at]).view(1, len(at), -1, self.head_dim)
+            q = apply_rope((self.q_norm(q) if self.qk_norm else q).transpose(1, 2), (cos[i:i + 1, :, at], sin[i:i + 1, :, at], rot))
+            n = 0
+            for qi, keys, sees in key_groups(mask, i, at, t):
+                o = F.scaled_dot_product_attention(q[:, :, n:n + len(qi)], k[i:i + 1, :, keys], v[i:i + 1, :, keys],
+                                                   attn_mask=sees[None, None], enable_gqa=True, scale=self.scale)
+                out.append(o[0].transpose(0, 1).reshape(len(qi), -1))
+                n += len(qi)
+        return self.o_proj(torch.cat(out) if out else x.new_zeros(0, self.o_proj.in_features))
+
+
+def key_groups(mask, b: int, rows: torch.Tensor, t: int) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """Query rows `rows` (ascending) of batch row b in groups, in order, each with the keys it may
+    attend to: (the group's rows, their keys, [rows, keys] bool: which each sees), under a
+    cache-free forward's mask (None: causal; a [B, 1, T, T] bool mask; Documents without a window).
+    Documents group by document, so a query never scores the keys of the row's other documents."""
+    if isinstance(mask, torch.Tensor):
+        return [(rows, torch.arange(t, device=rows.device), mask[b, 0, rows])]
+    groups = [(rows, torch.arange(int(rows[-1]) + 1, device=rows.device))] if mask is None else mask.key_groups(b, rows)
+    return [(q, k, k[None, :] <= q[:, None]) for q, k in groups]
+
 
 def band(t: int, window: int | None, device=None) -> torch.Tensor:
     """[T, T] bool: causal, and within `window` positions when one is given."""
@@ -188,6 +226,20 @@ class Documents:
                 parts.append(o if reuse and i == 1 else o[:, :, -(e - s):])  # the span's own queries
             out.append(parts[0] if len(parts) == 1 else torch.cat(parts, dim=2))
         return out[0] if len(out) == 1 else torch.cat(out)
+
+    def key_groups(self, b: int, rows: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Query rows `rows` (ascending) of batch row b by document: (its rows, the keys it may see:
+        its own document up to its last query row, after the shared prefix when shared)."""
+        if self.window is not None:
+            raise ValueError("key_groups does not take a sliding window")
+        spans, out = self.rows[b], []
+        prefix = torch.arange(spans[0][1] if self.shared else 0, device=rows.device)
+        for s, e, _ in spans:
+            q = rows[(rows >= s) & (rows < e)]
+            if len(q):
+                own = torch.arange(s, int(q[-1]) + 1, device=rows.device)
+                out.append((q, torch.cat((prefix, own)) if s else own))
+        return out
 
     def _span(self, q, k, v, scale):
         """Causal attention within q, k, v; a continuing span runs with its prefix's queries too (the
@@ -257,6 +309,16 @@ class DecoderLayer(nn.Module):
         if getattr(self.mlp, "routed", False):
             y, idx, aux, replaced = self.mlp(h, replay, ratio)
             return x + y, idx, aux, replaced
+        return x + self.mlp(h), None, None, 0
+
+    def forward_at(self, x, rope, mask, rows, replay=None, ratio: float = 0.0):
+        """forward at rows ([B, T] bool) only (Attention.forward_at): (x [M, D], expert ids [M, k]
+        or None, aux loss or None, replaced), replay [B, T, k] read at those rows."""
+        x = x[rows] + self.self_attn.forward_at(self.input_layernorm(x), rope, mask, rows)
+        h = self.post_attention_layernorm(x)
+        if getattr(self.mlp, "routed", False):
+            y, idx, aux, replaced = self.mlp(h[None], None if replay is None else replay[rows][None], ratio)
+            return x + y[0], idx[0], aux, replaced
         return x + self.mlp(h), None, None, 0
 
 

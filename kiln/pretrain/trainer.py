@@ -328,9 +328,10 @@ def _step(run: Run, batch: tuple, lr: float, train_mtp: bool, clip: float, accum
         # With a loss mask (SFT) the heads run only where there is a target: most of an agent
         # sample is prompt and tool output, and the vocabulary projection dominates a tiny model.
         keep = None if mask is None else y != -100
+        at = None if train_mtp else keep  # the MTP reads every position's hidden state
         with autocast:
-            out = model.trunk(x, positions=ps, doc_ids=d, shared_prefix=shared)
-            logits = model.head(out.hidden if keep is None else out.hidden[keep])
+            out = model.trunk(x, positions=ps, doc_ids=d, shared_prefix=shared, at=at)
+            logits = model.head(out.hidden if keep is None or at is not None else out.hidden[keep])
             # Summed and divided by the batch's target count: this micro-batch's share of the mean.
             loss = F.cross_entropy(logits.flatten(0, -2).float(), y.flatten() if keep is None else y[keep],
                                    ignore_index=-100, reduction="sum") / n_targets

@@ -18,6 +18,7 @@ from collections import Counter
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 from kiln.model.layers import MIN_SHARED
 
@@ -52,10 +53,11 @@ def target_logp(model, batch: Batch, rows, temperature: float, replay: bool, rep
     n = int(cols.max()) + 2 if len(cols) else 2  # the chunk's own width: padding past its longest row is skipped
     ids, mask = batch.ids[rows, :n], batch.mask[rows, :n - 1]
     routes = batch.routes[rows, :n] if (replay and batch.routes is not None) else None
-    out = model.trunk(ids, routes=routes, replay_ratio=replay_ratio)
     keep = mask.bool()
-    h = out.hidden[:, :-1][keep]  # only where a target is scored
-    full[:, :n - 1] = torch.zeros(mask.shape).masked_scatter(keep, _logp(model, h, ids[:, 1:][keep], temperature))
+    # The last layer and the head run only where a target is scored (RLTrainer.add 1.26x faster on
+    # the speedrun's groups, which score ~20% of their positions).
+    out = model.trunk(ids, routes=routes, replay_ratio=replay_ratio, at=F.pad(keep, (0, 1)))
+    full[:, :n - 1] = torch.zeros(mask.shape).masked_scatter(keep, _logp(model, out.hidden, ids[:, 1:][keep], temperature))
     return full, out.replaced
 
 
@@ -84,16 +86,14 @@ def _tree_logp(model, batch: Batch, rows: torch.Tensor, temperature: float, repl
     routes = None
     if replay and batch.routes is not None:
         routes = torch.cat([batch.routes[rs[0], :p]] + [batch.routes[r, p:n] for r, n in zip(rs, ends)])[None]
+    # Row r's position t (>= p) is packed at p + its offset + t - p; the last position of each
+    # rest has no target.
+    keeps = [batch.mask[r, p:n - 1].bool() for r, n in zip(rs, ends)]
+    at = torch.cat([torch.zeros(p, dtype=torch.bool)] + [F.pad(k, (0, 1)) for k in keeps])[None]
     out = model.trunk(ids[None], positions=pos[None], doc_ids=docs[None], routes=routes, replay_ratio=replay_ratio,
-                      shared_prefix=True)
-    hs, targets, keeps, at = [], [], [], p
-    for r, n in zip(rs, ends):  # row r's position t (>= p) is packed at at + t - p
-        keep = batch.mask[r, p:n - 1].bool()
-        hs.append(out.hidden[0, at:at + n - 1 - p][keep])
-        targets.append(batch.ids[r, p + 1:n][keep])
-        keeps.append(keep)
-        at += n - p
-    lp = _logp(model, torch.cat(hs), torch.cat(targets), temperature).split([int(k.sum()) for k in keeps])
+                      shared_prefix=True, at=at)
+    targets = torch.cat([batch.ids[r, p + 1:n][k] for r, n, k in zip(rs, ends, keeps)])
+    lp = _logp(model, out.hidden, targets, temperature).split([int(k.sum()) for k in keeps])
     full = torch.zeros(batch.mask[rows].shape)
     for i, (keep, n, l) in enumerate(zip(keeps, ends, lp)):
         full[i, p:n - 1] = torch.zeros(keep.shape).masked_scatter(keep, l)

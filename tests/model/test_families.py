@@ -172,6 +172,22 @@ def test_packed_documents_with_sliding_windows_match_documents_run_alone(name, p
     assert max_diff(together, alone) < 1e-5
 
 
+@pytest.mark.parametrize("name", [*CONFIGS, "qwen3-moe"])
+def test_the_trunk_at_some_positions_equals_the_whole_trunk_there(name, packing):
+    """trunk(at=) runs the last layer's queries and MLP only where a loss will read: the same
+    hidden states there as the whole trunk, over packed documents (and routes replayed, MoE)."""
+    cfg = ModelConfig.from_depth(2, vocab_size=256) if name == "qwen3-moe" else CONFIGS[name]
+    model = scramble(build_model(cfg), seed=4)
+    ids, docs = tokens(cfg.vocab_size, seed=5), torch.tensor([[0] * 15 + [1] * 9] * 2)
+    pos = torch.cat((torch.arange(15), torch.arange(9))).expand(2, 24)
+    at = torch.rand(2, 24, generator=torch.Generator().manual_seed(6)) < 0.3
+    with torch.no_grad():
+        whole = model.trunk(ids, positions=pos, doc_ids=docs)
+        some = model.trunk(ids, positions=pos, doc_ids=docs, routes=whole.routes, at=at)
+    assert some.hidden.shape == (int(at.sum()), cfg.hidden_size) and some.replaced == 0
+    assert torch.allclose(some.hidden, whole.hidden[at], rtol=1e-5, atol=ATOL)
+
+
 def test_router_replay_and_mtp_say_which_families_they_cover():
     llama = build_model(CONFIGS["llama-llama3rope-tied"])
     ids = tokens(256)

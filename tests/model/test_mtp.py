@@ -199,6 +199,36 @@ def test_kept_positions_equal_the_full_loss_restricted_to_them():
         mtp_loss(kept_main, kept_q, ids, docs, mode="hard", keep=keep)
 
 
+@pytest.mark.parametrize("depth", [1, 2])
+@pytest.mark.parametrize("docs", ["none", "mask", "tree"])
+def test_the_last_layer_at_kept_rows_equals_the_full_layer_there(depth, docs):
+    """With keep, the last MTP layer runs its queries and MLP at the kept rows only: the same
+    logits and the same gradients as running it everywhere and then selecting them, whether
+    attention is causal, a packed-documents mask or a shared-prompt tree (SFT's steps)."""
+    model, mtp = make(depth=depth, seed=3)
+    ids = batch(7)
+    doc_ids = {"none": None, "mask": torch.tensor([[0] * 10 + [1] * 14] * B),
+               "tree": torch.tensor([[0] * 8 + [1] * 9 + [2] * 7] * B)}[docs]
+    shared = docs == "tree"
+    pos = None if doc_ids is None else torch.cat([torch.arange(17), torch.arange(8, 15)]).expand(B, T) if shared \
+        else torch.cat([torch.arange(10), torch.arange(14)]).expand(B, T)
+    keep = torch.rand(B, T, generator=torch.Generator().manual_seed(8)) < 0.3
+    hidden = model.trunk(ids, positions=pos, doc_ids=doc_ids, shared_prefix=shared).hidden.detach()
+    weight = torch.randn(B * T, V, generator=torch.Generator().manual_seed(9))
+    grads = []
+    for rows in (None, keep):
+        mtp.zero_grad()
+        q = mtp(model, hidden, ids, pos, doc_ids, keep=rows, shared=shared)
+        last = q[-1] if rows is not None else q[-1][keep[:, depth:]]
+        (last * weight[:len(last)]).sum().backward()
+        grads.append([p.grad.clone() for p in mtp.parameters() if p.grad is not None])
+        if rows is None:
+            full = last.detach()
+    assert last.shape == full.shape and len(last) == int(keep[:, depth:].sum()) > 0
+    assert torch.allclose(last.detach(), full, atol=1e-5)
+    assert len(grads[0]) == len(grads[1]) and all(torch.allclose(a, b, atol=1e-5) for a, b in zip(*grads))
+
+
 def test_training_counts_tokens_and_the_drafter_takes_the_most_frequent(tmp_path):
     """Training forwards count their input tokens (evaluation forwards do not); draft_ids(k) are
     the k most counted (ties to the lower id); the counts survive a checkpoint, and a checkpoint
