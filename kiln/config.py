@@ -181,11 +181,17 @@ class PhaseConfig(Section):
     # Share of each batch's rows that are copy practice ([span][same span], loss on the second copy;
     # kiln/pretrain/copying.py): bulk and extension phases only.
     copy_frac: float = Field(0.0, ge=0, lt=1)
+    # sft phases: the MTP distils on every Nth step only. Its distillation needs the trunk's last
+    # layer at every position, where the loss alone needs it at the targets: a third of a tiny SFT step.
+    mtp_every: int = Field(1, ge=1)
 
     @model_validator(mode="after")
     def _accum_divides_batch(self):
         if self.batch_size % self.grad_accum:
             raise ValueError(f"batch_size ({self.batch_size}) must be a multiple of grad_accum ({self.grad_accum})")
+        if self.mtp_every > 1 and self.kind != "sft":
+            raise ValueError(f"mtp_every is for sft phases (phase {self.name!r} is {self.kind}): pretraining "
+                             "cuts the MTP in with pretrain.mtp_start")
         return self
 
 
@@ -207,7 +213,8 @@ class PretrainConfig(Section):
         # One level-1 toy rollout per row (~2,100 tokens, at most ~2,600): ~1.7 s a step on 2 cores,
         # two thirds of an epoch over the oracle's 1,200 rollouts. Many small steps at 2e-3 beat 60 steps of 4 rows
         # at 1e-3 (the tiny run's tool calls parsed 92% of the time against 28%, held-out oracle loss 0.47 against 1.09).
-        PhaseConfig(name="sft", kind="sft", steps=800, seq_len=2560, batch_size=2, lr=1e-3, warmup_steps=5),
+        PhaseConfig(name="sft", kind="sft", steps=800, seq_len=2560, batch_size=2, lr=1e-3, warmup_steps=5,
+                    mtp_every=2),
     ]
     schedule: Literal["cosine", "wsd"] = "cosine"
     min_lr_ratio: float = Field(0.1, ge=0, le=1)  # each phase ends at min_lr_ratio x its lr

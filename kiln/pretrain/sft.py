@@ -65,7 +65,8 @@ def sft(cfg, checkpoint, trajectories, run_dir, progress: bool = True) -> dict:
                 def rows(step=run.step - start, ph=ph, d=d):
                     b = d.rows(batch_rows(len(d), step, ph.batch_size, p.seed)).trees(ph.grad_accum, depth, tok.pad_id)
                     return b.ids, b.docs, b.pos, b.mask, b.shared
-                _train_step(run, ph, start, p, rows, run.mtp is not None, device, autocast, metrics, bar)
+                train_mtp = run.mtp is not None and (run.step - start) % ph.mtp_every == 0
+                _train_step(run, ph, start, p, rows, train_mtp, device, autocast, metrics, bar)
                 if run.step % p.checkpoint_every == 0 or run.step == end:
                     run.tick()
                     ckpt.save_state(run_dir, run.model, run.mtp, checkpoint, _trainer_state(run, fingerprint))

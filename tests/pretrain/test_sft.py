@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from kiln.config import HarnessConfig, load_config
+from kiln.config_io import ConfigError
 from kiln.engine import Engine, SamplingParams
 from kiln.harness.agent import Agent
 from kiln.harness.format import Call, openai_tool_calls, parse_reply, render_call
@@ -267,6 +268,19 @@ def test_sft_lowers_the_assistant_loss_and_keeps_the_mtp(straight):
     assert all(r["mtp_loss"] is not None for r in _rows(run))  # the checkpoint's MTP keeps training
     _, mtp = load_checkpoint(run / "checkpoint")
     assert mtp is not None and (run / "checkpoint" / "tokenizer.json").is_file()
+
+
+def test_the_mtp_can_distil_on_every_other_step_only(straight, tiny_checkpoint, trajs, tmp_path):
+    """mtp_every=2: the MTP trains on steps 1, 3, 5, ... of the phase and the main model trains as
+    on every step (its last layer then runs at the targets alone: equal to float rounding)."""
+    phases = '[{name="sft", kind="sft", steps=8, seq_len=320, batch_size=2, lr=3e-3, warmup_steps=1, mtp_every=2}]'
+    sft(sft_cfg(tmp_path, f"pretrain.phases={phases}"), tiny_checkpoint, [str(trajs)], tmp_path, progress=False)
+    rows, every = _rows(tmp_path), _rows(straight[0])
+    assert [r["mtp_loss"] is not None for r in rows] == [True, False] * 4
+    assert rows[0]["mtp_loss"] == pytest.approx(every[0]["mtp_loss"], rel=1e-5)
+    assert [r["loss"] for r in rows] == pytest.approx([r["loss"] for r in every], rel=1e-4)
+    with pytest.raises(ConfigError, match="mtp_every is for sft phases.*pretrain.mtp_start"):
+        load_config(None, ['pretrain.phases=[{name="b", steps=2, seq_len=16, batch_size=2, lr=1e-3, mtp_every=2}]'])
 
 
 def test_sft_resumes_bit_identically(straight, tiny_checkpoint, trajs, tmp_path, monkeypatch):
