@@ -39,7 +39,16 @@ _RETRIES = {"identical": ["That changed nothing: old and new were the same. Now 
             "missing": ["That text is not in the file. Copying the line exactly as it reads.",
                         "The old text did not match the file; retrying with the exact line."],
             "elsewhere": ["That changed nothing, and `{wrong}` is not where it goes wrong. {lead}",
-                          "Nothing to change in `{wrong}`: it is not the cause. {lead}"]}
+                          "Nothing to change in `{wrong}`: it is not the cause. {lead}"],
+            "other_line": ["That line is already right, so the defect is another one. {lead}",
+                           "Nothing to change on that line: it is correct. {lead}"],
+            "recalled": ["That text is not in the file, so that is not the defect here. {lead}",
+                         "No such line in the file: the defect is another one. {lead}"]}
+# A learner's wrong first edits, as the tiny SFT model makes them (docs/architecture.md, "Copying"):
+# another line of the right function copied unchanged, or the buggy form of another line (a defect
+# recalled from training that this file does not have). These swaps make such a form.
+_RECALL = [(" <= ", " < "), (" >= ", " > "), (" < ", " <= "), (" > ", " >= "), (" == ", " != "),
+           (" - 1", ""), (" + 1", ""), (" // ", " / "), (" and ", " or "), (" or ", " and ")]
 _TESTS = ["Running the tests to check.", "Let me verify with the tests.", "Checking the test suite."]
 _DONE = ["Done: {what}.", "I changed {what}; the tests pass.", "Finished. Updated {what}.",
          "The fix is in: {what}."]
@@ -50,9 +59,8 @@ class OraclePolicy(ApproxTokens):
 
     def __init__(self, patch: str, test_command: str | None = None, seed: int = 0, mistakes: float = 0.0):
         self.files = parse_patch(patch)
-        # With probability `mistakes`, the first edit is one a learning model makes (a line of the
-        # wrong function left unchanged, the right line unchanged, or the fixed line as the old
-        # text), then redone after the tool's error: SFT
+        # With probability `mistakes`, the first edit is one a learning model makes (see _edit),
+        # then redone after the tool's error: SFT
         # data that shows recovery. That turn is kind "mistake", never a training target. Its own
         # stream, so the rest of a seed's trajectory does not change with the rate.
         self.mistake = mistakes > 0 and random.Random(f"mistake-{seed}").random() < mistakes
@@ -154,16 +162,29 @@ class OraclePolicy(ApproxTokens):
         return self._say(_DONE, [], what=", ".join(sorted(f.path for f in self.files)))
 
     def _edit(self, options: list[str], calls: list[Call], lead: str = "") -> TurnRecord:
-        """The edit turn, or first a deliberate mistake (see __init__) when one is due: half of them
-        an unchanged line of another function (a wrong guess of where), else the right line unchanged
-        or the fixed line as the old text."""
+        """The edit turn, or first a deliberate mistake (see __init__) when one is due: a third an
+        unchanged line of another function (a wrong guess of where), a third another line of the
+        right function unchanged, a third another line of it in a buggy form the file lacks (a
+        defect recalled from elsewhere); without a function named, the right line unchanged or the
+        fixed line as the old text."""
         first = next((c for c in calls if c.name == "edit_file" and c.arguments["old_text"]), None)
         if not (self.mistake and first):
             return self._say(options, calls)
         self.mistake = False
         a = first.arguments
         known = self.lines.get(a["path"], {})
-        other = self._elsewhere(known) if lead and self.rng.random() < 0.5 else None
+        roll = self.rng.random()
+        other = self._elsewhere(known) if lead and roll < 1 / 3 else None
+        near = self._nearby(known, a["old_text"]) if lead and roll >= 1 / 3 else None
+        if near:  # another line of the right function: left unchanged, or in a form the file lacks
+            text = "\n".join(known[i] for i in sorted(known))
+            recalled = [near.replace(x, y, 1) for x, y in _RECALL if x in near]
+            recalled = [r for r in recalled if r.strip() and r.rstrip("\n") not in text]
+            kind = "recalled" if recalled and roll >= 2 / 3 else "other_line"
+            wrong = dict(a, old_text=recalled[0], new_text=near) if kind == "recalled" else dict(
+                a, old_text=near, new_text=near)
+            self.retry, self.phase = (calls, kind, {"lead": lead}), "retry"
+            return dataclasses.replace(self._say(options, [Call("", "edit_file", wrong)]), kind="mistake")
         if other:
             name, line = other
             self.retry, self.phase = (calls, "elsewhere", {"wrong": name, "lead": lead}), "retry"
@@ -177,6 +198,30 @@ class OraclePolicy(ApproxTokens):
             a, new_text=a["old_text"])
         self.retry, self.phase = (calls, kind, {}), "retry"
         return dataclasses.replace(self._say(options, [Call("", "edit_file", wrong)]), kind="mistake")
+
+    def _nearby(self, known: dict[int, str], old_text: str) -> str | None:
+        """One code line (+ newline) of the function holding `old_text`'s first line, other than
+        the lines `old_text` covers; None when there is none."""
+        first = old_text.splitlines()[0] if old_text.strip() else None
+        at = next((i for i in sorted(known) if known[i] == first), None)
+        if at is None:
+            return None
+        top = next((i for i in range(at, 0, -1) if _DEF.match(known.get(i, ""))), None)
+        if top is None:
+            return None
+        indent, doc, lines = len(known[top]) - len(known[top].lstrip()), False, []
+        for i in range(top + 1, max(known) + 1):
+            text = known.get(i, "")
+            code = text.strip()
+            if code and len(text) - len(text.lstrip()) <= indent:
+                break
+            quotes = code.count('"""') + code.count("'''")
+            if doc or quotes:
+                doc = doc != (quotes % 2 == 1)
+                continue
+            if code and not code.startswith(("#", "@", ">>>")) and text not in old_text.splitlines():
+                lines.append(text + "\n")
+        return self.rng.choice(lines) if lines else None
 
     def _elsewhere(self, known: dict[int, str]) -> tuple[str, str] | None:
         """(name, one code line + newline) of a function in the file other than the ones edited, or None."""

@@ -112,10 +112,11 @@ def test_oracle_self_summarises_and_still_solves(repos, hstate, scfg):
 
 
 def test_oracle_mistakes_are_recovered_and_never_trained_on(scfg, tmp_path):
-    """policy.oracle_mistakes=1: the first edit is wrong on purpose (a line of another function
-    left unchanged, the right line unchanged, or the fixed line as the old text), the tool refuses
-    it, the next turn redoes it (naming the right function after a wrong one) and the task is
-    solved; SFT's loss mask leaves out exactly the mistaken turn."""
+    """policy.oracle_mistakes=1: the first edit is wrong on purpose, as a learner's are (a line of
+    another function left unchanged, another line of the right function unchanged, or that line in
+    a buggy form the file lacks), the tool refuses it, the next turn makes the right edit (naming
+    the right function after a wrong one; never the mistaken line again) and the task is solved;
+    SFT's loss mask leaves out exactly the mistaken turn."""
     from kiln.bench.run import run_bench
     from kiln.config import Config, PolicyConfig
     from kiln.harness.trajectory import Trajectory
@@ -123,14 +124,15 @@ def test_oracle_mistakes_are_recovered_and_never_trained_on(scfg, tmp_path):
     from kiln.pretrain.sft_data import segment_layout
     from kiln.tasks.toy import generate_toy
 
-    generate_toy(str(tmp_path / "suite"), 4, seed=0, level=1, split="train", sandbox_cfg=scfg, progress=False)
+    n = 6
+    generate_toy(str(tmp_path / "suite"), n, seed=0, level=1, split="train", sandbox_cfg=scfg, progress=False)
     cfg = Config(sandbox=scfg, harness=HarnessConfig(tools=["read_file", "edit_file", "run_shell"]),
                  policy=PolicyConfig(oracle_mistakes=1.0))
     s = run_bench(str(tmp_path / "suite"), "oracle", out_dir=str(tmp_path / "out"), config=cfg, progress=False)
     assert s["correctness_mean"] == 1.0
-    assert s["after_first_error"] == {"changed": {"rollouts": 4, "correctness_mean": 1.0}}  # the retry is another edit
+    assert s["after_first_error"] == {"changed": {"rollouts": n, "correctness_mean": 1.0}}  # the retry is another edit
     tok = load_tokenizer("bases/tiny")
-    errors, elsewhere = set(), 0
+    kinds_seen = set()
     for f in sorted((tmp_path / "out" / "trajectories").glob("*.json")):
         traj = Trajectory.load(str(f))
         kinds = [t.kind for t in traj.turns]
@@ -139,14 +141,22 @@ def test_oracle_mistakes_are_recovered_and_never_trained_on(scfg, tmp_path):
         edits = [t for t in traj.tools if t.name == "edit_file"]
         assert [e.turn for e in edits] == [k, k + 1] and [e.ok for e in edits] == [False, True]
         error = next(m["content"] for m in traj.messages if m.get("tool_call_id") == edits[0].call_id)
-        errors.add("identical" if "identical" in error else "not found" if "was not found" in error else error)
-        wrong, right = edits[0].arguments, edits[1].arguments["old_text"]
-        if wrong["old_text"] == wrong["new_text"] not in right:  # a line elsewhere: the retry says so, names the right place
-            elsewhere += 1
-            named = re.findall(r"`(\w+)`", traj.turns[k + 1].text)
-            assert named[0] in traj.turns[k].text and named[0] != named[-1], traj.turns[k + 1].text
+        wrong, right = edits[0].arguments, edits[1].arguments
+        retry = traj.turns[k + 1].text
+        named = re.findall(r"`(\w+)`", retry)
+        if "identical" in error and ("is not where it goes wrong" in retry or "is not the cause" in retry):
+            kinds_seen.add("elsewhere")  # names the wrong function, then the right one
+            assert named[0] in traj.turns[k].text and named[0] != named[-1], retry
+        elif "identical" in error and ("already right" in retry or "on that line" in retry):
+            kinds_seen.add("other_line")  # another line of the function the retry names
+            assert wrong["old_text"] not in right["old_text"] and named[-1] in traj.turns[k].text, retry
+        elif "was not found" in error and ("not in the file" in retry or "No such line" in retry):
+            kinds_seen.add("recalled")  # a form of another line: the retry's old text is the file's
+            assert wrong["old_text"] != right["old_text"] and wrong["new_text"] not in right["old_text"]
+        else:
+            kinds_seen.add(error)
         _, mask, replies = segment_layout(traj.segments[0], tok)
         for i, (a, b) in enumerate(replies):
             assert set(mask[a:b]) == ({0} if i == k else {1})
         assert sum(mask) == sum(b - a for i, (a, b) in enumerate(replies) if i != k)
-    assert errors == {"identical", "not found"} and elsewhere  # every kind of mistake, each answered by the tool
+    assert kinds_seen == {"elsewhere", "other_line", "recalled"}, kinds_seen  # every kind, each answered by the tool
