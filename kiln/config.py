@@ -255,7 +255,7 @@ class SftConfig(Section):
     oracle_level: int = Field(1, ge=0, le=3)  # their level (toy.py); 0 = levels 1-3 in turn
     oracle_seed: int = Field(0, ge=0)  # the first toy task index (train and eval tasks never overlap)
     # policy.oracle_mistakes while collecting SFT data: recovery to imitate (docs/architecture.md, "Copying")
-    oracle_mistakes: float = Field(0.3, ge=0, le=1)
+    oracle_mistakes: float = Field(0.5, ge=0, le=1)
     trajectories: list[str] = []  # more trajectory files or folders (e.g. a `kiln bench` out_dir)
     checkpoint: str = ""  # the model to fine-tune; empty = <run dir>/pretrain/checkpoint
 

@@ -18,6 +18,7 @@ from kiln.harness.format import Call, render_call
 from kiln.harness.prompt import summary_request
 from kiln.harness.trajectory import TurnRecord
 from kiln.tasks.patch import FilePatch, parse_patch
+from kiln.tasks.toydata import all_units
 
 from .base import ApproxTokens
 
@@ -45,10 +46,10 @@ _RETRIES = {"identical": ["That changed nothing: old and new were the same. Now 
             "recalled": ["That text is not in the file, so that is not the defect here. {lead}",
                          "No such line in the file: the defect is another one. {lead}"]}
 # A learner's wrong first edits, as the tiny SFT model makes them (docs/architecture.md, "Copying"):
-# another line of the right function copied unchanged, or the buggy form of another line (a defect
-# recalled from training that this file does not have). These swaps make such a form.
-_RECALL = [(" <= ", " < "), (" >= ", " > "), (" < ", " <= "), (" > ", " >= "), (" == ", " != "),
-           (" - 1", ""), (" + 1", ""), (" // ", " / "), (" and ", " or "), (" or ", " and ")]
+# another line of the right function copied unchanged, or the buggy form of a line in the file (a
+# defect the toy generator injects elsewhere, recalled from training; this file does not have it).
+_DEFECTS = [(d.old, d.new) for u in all_units() for d in u.defects
+            if d.level == 1 and "$" not in d.old + d.new and "\n" not in d.old]
 _TESTS = ["Running the tests to check.", "Let me verify with the tests.", "Checking the test suite."]
 _DONE = ["Done: {what}.", "I changed {what}; the tests pass.", "Finished. Updated {what}.",
          "The fix is in: {what}."]
@@ -164,8 +165,8 @@ class OraclePolicy(ApproxTokens):
     def _edit(self, options: list[str], calls: list[Call], lead: str = "") -> TurnRecord:
         """The edit turn, or first a deliberate mistake (see __init__) when one is due: a third an
         unchanged line of another function (a wrong guess of where), a third another line of the
-        right function unchanged, a third another line of it in a buggy form the file lacks (a
-        defect recalled from elsewhere); without a function named, the right line unchanged or the
+        right function unchanged, a third a line of the file in the buggy form of a defect the
+        file lacks (recalled from other tasks); without a function named, the right line unchanged or the
         fixed line as the old text."""
         first = next((c for c in calls if c.name == "edit_file" and c.arguments["old_text"]), None)
         if not (self.mistake and first):
@@ -175,15 +176,13 @@ class OraclePolicy(ApproxTokens):
         known = self.lines.get(a["path"], {})
         roll = self.rng.random()
         other = self._elsewhere(known) if lead and roll < 1 / 3 else None
-        near = self._nearby(known, a["old_text"]) if lead and roll >= 1 / 3 else None
-        if near:  # another line of the right function: left unchanged, or in a form the file lacks
-            text = "\n".join(known[i] for i in sorted(known))
-            recalled = [near.replace(x, y, 1) for x, y in _RECALL if x in near]
-            recalled = [r for r in recalled if r.strip() and r.rstrip("\n") not in text]
-            kind = "recalled" if recalled and roll >= 2 / 3 else "other_line"
-            wrong = dict(a, old_text=recalled[0], new_text=near) if kind == "recalled" else dict(
-                a, old_text=near, new_text=near)
+        recalled = self._recalled(known, a["old_text"]) if lead and roll >= 2 / 3 else None
+        near = self._nearby(known, a["old_text"]) if lead and roll >= 1 / 3 and not recalled else None
+        if recalled or near:  # a defect the file lacks, or another line of the right function unchanged
+            kind = "recalled" if recalled else "other_line"
+            old_text, new_text = recalled or (near, near)
             self.retry, self.phase = (calls, kind, {"lead": lead}), "retry"
+            wrong = dict(a, old_text=old_text, new_text=new_text)
             return dataclasses.replace(self._say(options, [Call("", "edit_file", wrong)]), kind="mistake")
         if other:
             name, line = other
@@ -198,6 +197,15 @@ class OraclePolicy(ApproxTokens):
             a, new_text=a["old_text"])
         self.retry, self.phase = (calls, kind, {}), "retry"
         return dataclasses.replace(self._say(options, [Call("", "edit_file", wrong)]), kind="mistake")
+
+    def _recalled(self, known: dict[int, str], old_text: str) -> tuple[str, str] | None:
+        """(buggy form, the file's line), each + newline: a line of the file other than old_text's
+        with a known defect applied, a form the file does not hold; None when no line has one."""
+        text, skip = "\n".join(known[i] for i in sorted(known)), set(old_text.splitlines())
+        options = [(line.replace(good, bad, 1), line) for line in known.values() if line not in skip
+                   for good, bad in _DEFECTS if good in line]
+        options = [(bad + "\n", line + "\n") for bad, line in options if bad.strip() and bad not in text]
+        return self.rng.choice(sorted(options)) if options else None
 
     def _nearby(self, known: dict[int, str], old_text: str) -> str | None:
         """One code line (+ newline) of the function holding `old_text`'s first line, other than
