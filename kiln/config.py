@@ -325,6 +325,9 @@ class RLConfig(Section):
     # for the turn that erred, which a group-centred outcome spreads over the whole rollout. 0 = off
     # (0.5 changed nothing measurable: docs/architecture.md, "Copying").
     failed_call_penalty: float = Field(0.0, ge=0)
+    # The same on the turns that repeat a call (same tool, same arguments) that already failed in the
+    # rollout: the one choice after an error that almost never solves (docs/architecture.md, "Copying").
+    repeated_call_penalty: float = Field(0.0, ge=0)
     tis_cap: float | None = Field(None, gt=0)  # truncated importance sampling with the sampler's logprobs; None = off
     kl_coef: float = Field(0.0, ge=0)  # k1 estimate of KL to the frozen start policy, summed per rollout, in the reward
     replay_ratio: float = Field(0.5, ge=0, le=1)  # router replay's plausibility filter (model/moe.py)

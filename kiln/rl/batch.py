@@ -5,13 +5,15 @@ ids extend the previous turn's prompt + completion ids exactly, so a chain of tu
 sequence whose completion tokens are the targets. When a prompt does not extend the chain (a
 self-summary's new segment, or a rendering that did not line up) a new sequence starts. Every
 sequence of a trajectory carries that trajectory's advantage, summaries included; the completion
-tokens of a turn whose tool call failed are marked too (rl.failed_call_penalty).
+tokens of a turn whose tool call failed are marked too (rl.failed_call_penalty), and those of a turn
+that repeats a call which already failed in the rollout (rl.repeated_call_penalty).
 
 Routes: each turn records the experts of every position it fed (its prompt was prefilled anew),
 so the chain's latest turn covers every position; those are replayed in the trainer's forward.
 """
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 
 import torch
@@ -26,6 +28,7 @@ class Sequence:
     routes: list | None = None  # [T][n_moe_layers][k], -1 = not recorded
     traj: int = 0  # which trajectory of the batch
     failed: list[bool] = field(default_factory=list)  # generated in a turn whose tool call failed
+    repeated: list[bool] = field(default_factory=list)  # generated in a turn repeating a call that had failed
 
 
 class BatchError(ValueError):
@@ -36,6 +39,7 @@ def sequences(traj, index: int = 0) -> list[Sequence]:
     """One trajectory's training sequences (see the module docstring)."""
     out: list[Sequence] = []
     failed_turns = {t.turn for t in traj.tools if not t.ok}
+    repeated_turns = _repeated_turns(traj.tools)
     n_turn = 0  # ToolRecord.turn counts the trajectory's turns over all segments
     for seg in traj.segments:
         cur: Sequence | None = None
@@ -56,10 +60,24 @@ def sequences(traj, index: int = 0) -> list[Sequence]:
             cur.logp += [0.0] * len(new) + [float(x) for x in turn.logprobs]
             cur.version += [-1] * len(new) + list(turn.versions or [-1] * len(c))
             cur.failed += [False] * len(new) + [n_turn in failed_turns] * len(c)
+            cur.repeated += [False] * len(new) + [n_turn in repeated_turns] * len(c)
             cur.routes = turn.routes
             n_turn += 1
         if cur is not None:
             out.append(cur)
+    return out
+
+
+def _repeated_turns(tools) -> set[int]:
+    """Turns that made a call (same tool, same arguments) which had already failed earlier in the rollout:
+    the loop the agent's looping stop ends, whatever the outcome of the rollout."""
+    failed, out = set(), set()
+    for t in tools:
+        key = (t.name, json.dumps(t.arguments, sort_keys=True))
+        if key in failed:
+            out.add(t.turn)
+        if not t.ok:
+            failed.add(key)
     return out
 
 
@@ -74,6 +92,7 @@ class Batch:
     routes: torch.Tensor | None  # [B, T, L, k] long, -1 = use the live router
     traj: torch.Tensor  # [B] trajectory index of each row
     failed: torch.Tensor  # [B, T-1] 1.0 where the target was generated in a turn whose tool call failed
+    repeated: torch.Tensor  # [B, T-1] 1.0 where it was generated in a turn repeating an already failed call
 
 
 def collate(seqs: list[Sequence], pad_id: int = 0) -> Batch:
@@ -85,6 +104,7 @@ def collate(seqs: list[Sequence], pad_id: int = 0) -> Batch:
     logp = torch.zeros(b, t - 1)
     ver = torch.full((b, t - 1), -1, dtype=torch.long)
     failed = torch.zeros(b, t - 1)
+    repeated = torch.zeros(b, t - 1)
     shape = next((torch.tensor(s.routes).shape[1:] for s in seqs if s.routes), None)
     routes = None if shape is None else torch.full((b, t, *shape), -1, dtype=torch.long)
     for i, s in enumerate(seqs):
@@ -94,7 +114,8 @@ def collate(seqs: list[Sequence], pad_id: int = 0) -> Batch:
         logp[i, :n - 1] = torch.tensor(s.logp[1:])
         ver[i, :n - 1] = torch.tensor(s.version[1:])
         failed[i, :n - 1] = torch.tensor(s.failed[1:], dtype=torch.float32)
+        repeated[i, :n - 1] = torch.tensor(s.repeated[1:], dtype=torch.float32)
         if routes is not None and s.routes:
             r = torch.tensor(s.routes, dtype=torch.long)
             routes[i, :r.shape[0]] = r[:n]
-    return Batch(ids, mask, logp, ver, routes, torch.tensor([s.traj for s in seqs]), failed)
+    return Batch(ids, mask, logp, ver, routes, torch.tensor([s.traj for s in seqs]), failed, repeated)

@@ -160,8 +160,10 @@ class RLTrainer:
             adv = adv.clamp(min=0.0)
 
         trainer_lp = torch.zeros_like(batch.mask)
-        # Per token: the rollout's advantage, minus the penalty on the turns whose tool call failed.
-        token_adv = adv[batch.traj][:, None] - rl.failed_call_penalty * batch.failed
+        # Per token: the rollout's advantage, minus the penalties on the turns whose tool call failed
+        # and on those that repeated a failed call.
+        token_adv = (adv[batch.traj][:, None] - rl.failed_call_penalty * batch.failed
+                     - rl.repeated_call_penalty * batch.repeated)
         # A row whose generated tokens all have advantage 0 adds nothing to the gradient under every
         # aggregation: it is not run (with mixed_groups_only or positive_only, most rows of a step).
         trained = ((token_adv != 0) & batch.mask.bool()).any(1)

@@ -237,6 +237,34 @@ def test_failed_call_penalty_pushes_down_only_the_turn_whose_call_failed(setup, 
     assert (moved < 0) if penalty else (moved == 0)
 
 
+def test_repeated_call_penalty_pushes_down_only_the_repeat_of_a_failed_call(setup):
+    """A call made again after it failed is marked (not the first failure, not a repeat of a call that
+    worked), and with advantage 0 only its penalty trains: those tokens become less likely."""
+    ckpt, trajs = setup
+    tools = [ToolRecord(0, "c0", "edit_file", {"path": "a", "old_text": "x"}, False, 0.1, 10),
+             ToolRecord(0, "c1", "read_file", {"path": "a"}, True, 0.1, 10),
+             ToolRecord(1, "c2", "read_file", {"path": "a"}, True, 0.1, 10),
+             ToolRecord(1, "c3", "edit_file", {"old_text": "x", "path": "a"}, False, 0.1, 10)]
+    looped = Trajectory(task_id="r", segments=trajs[0].segments, tools=tools)
+    turns = looped.segments[0].turns
+    seq = sequences(looped)[0]
+    assert [x for x, r in zip(seq.ids, seq.repeated) if r] == turns[1].completion_ids
+    worked = Trajectory(task_id="w", segments=trajs[0].segments, tools=[tools[1], tools[2]])
+    assert not any(sequences(worked)[0].repeated)
+    model, _ = load_checkpoint(ckpt, with_mtp=False)
+    rl = Config().rl.model_copy(update={"lr": 3e-3, "temperature": 1.0, "repeated_call_penalty": 0.5})
+    batch = collate(sequences(looped, 0) + sequences(trajs[1], 1))
+    with torch.no_grad():
+        before, _ = target_logp(model, batch, slice(0, 2), 1.0, True, 0.5)
+    m = RLTrainer(model, rl, version=0).step([Group(0, "a", "k", [looped, trajs[1]],
+                                                    [{"correctness": 0.0}, {"correctness": 0.0}])])
+    assert m["loss"] == pytest.approx(0.5 * len(turns[1].completion_ids) / rl.loss_constant, rel=1e-5)
+    assert m["trained_rows"] == 1
+    with torch.no_grad():
+        after, _ = target_logp(model, batch, slice(0, 2), 1.0, True, 0.5)
+    assert float(((after - before) * batch.repeated[:2]).sum()) < 0
+
+
 def test_a_step_on_a_dense_family_scores_like_its_sampler_and_learns(tiny_checkpoint, tmp_path):
     """`kiln rl` from a Llama checkpoint: no routes are recorded or replayed, the trainer's
     logprobs are the engine's, and a step moves them with the advantage."""
