@@ -7,7 +7,6 @@ context passes the trigger, the model summarises and a new segment starts from t
 """
 from __future__ import annotations
 
-import json
 import time
 import traceback
 from concurrent.futures import ThreadPoolExecutor
@@ -156,7 +155,7 @@ class Agent:
         for t in self.traj.tools:
             by_turn.setdefault(t.turn, []).append(t)
         last = list(by_turn.values())[-n:]
-        calls = {tuple(sorted((t.name, json.dumps(t.arguments, sort_keys=True)) for t in ts)) for ts in last}
+        calls = {tuple(sorted(t.call for t in ts)) for ts in last}
         if len(last) == n and len(calls) == 1 and not any(t.ok for ts in last for t in ts):
             raise Stop("looping")
 

@@ -40,6 +40,11 @@ class ToolRecord:
     duration_s: float
     output_chars: int
 
+    @property
+    def call(self) -> tuple[str, str]:
+        """What makes two calls the same call: the tool and its arguments."""
+        return self.name, json.dumps(self.arguments, sort_keys=True)
+
 
 @dataclass
 class Segment:
@@ -94,7 +99,7 @@ class Trajectory:
         return _plain(self)
 
     @classmethod
-    def from_dict(cls, d: dict) -> "Trajectory":
+    def from_dict(cls, d: dict) -> Trajectory:
         if d.get("schema_version") != SCHEMA_VERSION:
             raise ValueError(f"trajectory schema version {d.get('schema_version')!r} is not {SCHEMA_VERSION}")
         d = dict(d)
@@ -108,7 +113,7 @@ class Trajectory:
         return json.dumps(self.to_dict(), ensure_ascii=False)
 
     @classmethod
-    def from_json(cls, text: str) -> "Trajectory":
+    def from_json(cls, text: str) -> Trajectory:
         return cls.from_dict(json.loads(text))
 
     def save(self, path: str) -> None:
@@ -119,7 +124,7 @@ class Trajectory:
         os.replace(tmp, path)
 
     @classmethod
-    def load(cls, path: str) -> "Trajectory":
+    def load(cls, path: str) -> Trajectory:
         with open(path) as f:
             return cls.from_json(f.read())
 

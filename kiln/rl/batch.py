@@ -13,7 +13,6 @@ so the chain's latest turn covers every position; those are replayed in the trai
 """
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 
 import torch
@@ -73,11 +72,10 @@ def _repeated_turns(tools) -> set[int]:
     the loop the agent's looping stop ends, whatever the outcome of the rollout."""
     failed, out = set(), set()
     for t in tools:
-        key = (t.name, json.dumps(t.arguments, sort_keys=True))
-        if key in failed:
+        if t.call in failed:
             out.add(t.turn)
         if not t.ok:
-            failed.add(key)
+            failed.add(t.call)
     return out
 
 

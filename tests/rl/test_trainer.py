@@ -157,7 +157,7 @@ def test_a_groups_rollouts_train_as_one_tree_over_their_prompt_with_the_same_los
     assert [(c.tolist(), tree) for c, tree in chunks] == [([0, 1, 2], True), ([3], False)]
     # a row without a target (nothing to score) joins no tree, even one of its own group's
     n = len(prompt) + 1
-    bare = collate(sequences(trajs[0], 0) + [Sequence(prompt + [5], [False] * n, [0.0] * n, [-1] * n, None, 1, [False] * n)])
+    bare = collate(sequences(trajs[0], 0) + [Sequence(prompt + [5], [False] * n, [0.0] * n, [-1] * n, None, 1, [False] * n, [False] * n)])
     assert [(c.tolist(), tree) for c, tree in trainer_mod._chunks(bare, torch.arange(2), torch.tensor([0, 0]))] == [
         ([0, 1], False)]
     # all but the prompt's last position, which predicts each row's own first generated token
