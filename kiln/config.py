@@ -281,12 +281,13 @@ class SpeedrunConfig(Section):
 class RLConfig(Section):
     """`kiln rl`: asynchronous RL of the SFT model in the harness (kiln/rl/)."""
     checkpoint: str = ""  # the policy to train; empty = <run dir>/sft/checkpoint
-    tasks: int = Field(64, ge=1)  # toy train-split prompts; single epoch: each is trained on at most once
+    # Many prompts in small groups: what RL teaches mostly stays with its prompts (docs/architecture.md, "Copying").
+    tasks: int = Field(192, ge=1)  # toy train-split prompts; single epoch: each is trained on at most once
     level: int = Field(1, ge=0, le=3)  # their level; 0 = levels 1-3 in turn
     task_seed: int = Field(5000, ge=0)  # the first toy index: past the SFT data's tasks (checked)
-    steps: int = Field(20, ge=1)  # trainer steps (one new weight version each)
-    group_size: int = Field(8, ge=2)  # G rollouts per prompt, from forks of one task sandbox
-    groups_per_step: int = Field(2, ge=1)
+    steps: int = Field(48, ge=1)  # trainer steps (one new weight version each)
+    group_size: int = Field(4, ge=2)  # G rollouts per prompt, from forks of one task sandbox
+    groups_per_step: int = Field(4, ge=1)
     max_lag: int = Field(1, ge=0)  # admission: never start a rollout its step would train > max_lag versions later
     workers: int = Field(2, ge=1)  # rollout worker actors
     # Groups one worker rolls out at once on its one engine (their rollouts share its batches); at most
@@ -319,7 +320,7 @@ class RLConfig(Section):
     scale_std: bool = False  # divide advantages by the group's std (GRPO) instead of Dr. GRPO's plain centring
     # Zero the advantages of groups whose rollouts all solved or all failed (DAPO's dynamic-sampling
     # filter, without resampling): there the length and behaviour terms alone would set the sign.
-    mixed_groups_only: bool = False
+    mixed_groups_only: bool = True
     positive_only: bool = False  # clamp advantages at 0: rejection-sampling fine-tuning weighted by the advantage
     # Subtracted from the advantage of every token generated in a turn whose tool call failed: credit
     # for the turn that erred, which a group-centred outcome spreads over the whole rollout. 0 = off
