@@ -28,7 +28,8 @@ module (mtp.safetensors, e.g. a pretraining run's).
 
 Last line: `name=value` pairs including speedup_vs_hf_b1, speedup_vs_hf_b8, greedy_identical,
 spec_mean_accepted, spec_speedup, spec_full_vocab_speedup, spec_speedup_bf16, selfdistill_acceptance,
-hardlabel_acceptance, bf16_speedup_b1, bf16_speedup_b8.
+hardlabel_acceptance, bf16_speedup_b1, bf16_speedup_b8; `*_rounds` give the middle half of the nine
+per-round ratios behind speedup_vs_hf_b1, speedup_vs_hf_b8 and spec_speedup (each a ratio of medians).
 """
 from __future__ import annotations
 
@@ -119,16 +120,24 @@ def train_mtp(model, mtp, data, steps: int, mode: str, device: str) -> float:
     return float(loss.detach())
 
 
-def timed(*fns, repeats: int = 9) -> list[tuple[float, object]]:
-    """(median seconds, last output) of each fn, run in turn `repeats` times: interleaved, so a
-    drift in the machine's speed (this VM's swings by a fifth between minutes) hits every arm alike."""
+def timed(*fns, repeats: int = 9) -> list[tuple[float, object, list[float]]]:
+    """(median seconds, last output, every round's seconds) of each fn, run in turn `repeats` times:
+    interleaved, so a drift in the machine's speed (a VM's swings by a fifth, on a DRAM-bound one
+    by 2x, between minutes) hits every arm alike."""
     times, outs = [[] for _ in fns], [None] * len(fns)
     for _ in range(repeats):
         for i, fn in enumerate(fns):
             t = time.perf_counter()
             outs[i] = fn()
             times[i].append(time.perf_counter() - t)
-    return [(statistics.median(ts), out) for ts, out in zip(times, outs)]
+    return [(statistics.median(ts), out, ts) for ts, out in zip(times, outs)]
+
+
+def spread(base: list[float], new: list[float]) -> str:
+    """The middle half of the per-round speedups base / new (a round runs the arms back to back, so
+    each ratio is over one state of the machine): how far one run's ratio of medians can be trusted."""
+    q = statistics.quantiles([b / n for b, n in zip(base, new)], n=4)
+    return f"{q[0]:.2f}-{q[2]:.2f}"
 
 
 def main() -> None:
@@ -200,19 +209,22 @@ def decode(args, tok, model, mtp_sd, mtp_hl, ckpt: Path) -> None:
     for b in (1, 8):
         ps = prompts[:b]
         hf_generate(ps), kiln_generate(ps)  # warm up
-        (hf_s, hf_out), (k_s, (k_out, _)) = timed(lambda ps=ps: hf_generate(ps), lambda ps=ps: kiln_generate(ps))
+        (hf_s, hf_out, hf_ts), (k_s, (k_out, _), k_ts) = timed(lambda ps=ps: hf_generate(ps),
+                                                               lambda ps=ps: kiln_generate(ps))
         r[f"hf_tokens_per_s_b{b}"] = b * n / hf_s
         r[f"kiln_tokens_per_s_b{b}"] = b * n / k_s
         r[f"speedup_vs_hf_b{b}"] = hf_s / k_s
+        r[f"speedup_vs_hf_b{b}_rounds"] = spread(hf_ts, k_ts)
         r[f"hf_greedy_match_b{b}"] = hf_out == k_out
         print(f"batch {b}: hf {b * n / hf_s:.0f} tok/s, kiln {b * n / k_s:.0f} tok/s, "
-              f"x{hf_s / k_s:.2f}, same tokens as hf: {hf_out == k_out}", flush=True)
+              f"x{hf_s / k_s:.2f} (middle half of the rounds {spread(hf_ts, k_ts)}), same tokens as hf: {hf_out == k_out}",
+              flush=True)
 
     rounded = copy.deepcopy(model)  # a bf16 engine rounds its model's weights in place
     for b in (1, 8):
         ps = prompts[:b]
         kiln_generate(ps, weights=rounded, dtype=torch.bfloat16)  # warm up
-        (f_s, (f_out, _)), (b_s, (b_out, _)) = timed(
+        (f_s, (f_out, _), _), (b_s, (b_out, _), _) = timed(
             lambda ps=ps: kiln_generate(ps), lambda ps=ps: kiln_generate(ps, weights=rounded, dtype=torch.bfloat16))
         same = sum(len(_common_prefix(x, y)) for x, y in zip(f_out, b_out)) / (b * n)
         r[f"kiln_bf16_tokens_per_s_b{b}"] = b * n / b_s
@@ -228,7 +240,7 @@ def decode(args, tok, model, mtp_sd, mtp_hl, ckpt: Path) -> None:
     # Batch 1: the prompts one after another, so the speed and the acceptance are over the same text.
     kiln_generate(prompts[:1], batch=1), kiln_generate(prompts[:1], mtp_sd, batch=1)  # warm up
     kiln_generate(prompts[:1], mtp_sd, batch=1, draft_vocab=0)
-    (plain_s, (all_plain, _)), (spec_s, (all_spec, sd_stats)), (full_s, (all_full, full_stats)) = timed(
+    (plain_s, (all_plain, _), plain_ts), (spec_s, (all_spec, sd_stats), spec_ts), (full_s, (all_full, full_stats), _) = timed(
         lambda: kiln_generate(prompts, batch=1), lambda: kiln_generate(prompts, mtp_sd, batch=1),
         lambda: kiln_generate(prompts, mtp_sd, batch=1, draft_vocab=0))
     _, hl_stats = kiln_generate(prompts, mtp_hl, batch=1, draft_vocab=0) if mtp_hl is not None else (None, None)
@@ -238,16 +250,18 @@ def decode(args, tok, model, mtp_sd, mtp_hl, ckpt: Path) -> None:
     r["spec_mean_accepted"] = sd_stats.mean_accepted
     r["spec_tokens_per_step"] = 1 + sd_stats.mean_accepted
     r["spec_speedup"] = plain_s / spec_s
+    r["spec_speedup_rounds"] = spread(plain_ts, spec_ts)
     r["spec_full_vocab_mean_accepted"] = full_stats.mean_accepted
     r["spec_full_vocab_speedup"] = plain_s / full_s
     print(f"speculative, batch 1 ({len(prompts)} prompts in turn): drafts from {r['spec_draft_vocab']} tokens x{plain_s / spec_s:.2f} "
-          f"({sd_stats.mean_accepted:.2f} accepted a step); from the whole vocabulary x{plain_s / full_s:.2f} "
+          f"({sd_stats.mean_accepted:.2f} accepted a step; middle half of the rounds {r['spec_speedup_rounds']}); "
+          f"from the whole vocabulary x{plain_s / full_s:.2f} "
           f"({full_stats.mean_accepted:.2f})", flush=True)
     # The same at the bf16 sampler: a verification reads half the bytes (the tiny model's fp32
     # weights, ~35 MB, exceed a 32 MB L3; its bf16 ones fit).
     mtp_bf16, bf16 = copy.deepcopy(mtp_sd), torch.bfloat16  # a bf16 engine rounds its MTP in place too
     kiln_generate(prompts[:1], mtp_bf16, batch=1, weights=rounded, dtype=bf16)  # warm up
-    (pb_s, (all_pb, _)), (sb_s, (all_sb, sb_stats)) = timed(
+    (pb_s, (all_pb, _), _), (sb_s, (all_sb, sb_stats), _) = timed(
         lambda: kiln_generate(prompts, batch=1, weights=rounded, dtype=bf16),
         lambda: kiln_generate(prompts, mtp_bf16, batch=1, weights=rounded, dtype=bf16))
     r["greedy_identical_bf16"] = all_pb == all_sb

@@ -60,8 +60,9 @@ def main() -> None:
     ap.add_argument("--checkpoint", default="runs/tiny/sft/checkpoint", help="the SFT model both arms train")
     ap.add_argument("--config", default=None, help="a TOML config or preset (default: the tiny defaults)")
     ap.add_argument("--steps", type=int, default=4)
-    ap.add_argument("--group-size", type=int, default=4, help="rollouts per group (4: the 32 samples measured "
-                    "before the tiny preset's groups of 8)")
+    ap.add_argument("--group-size", type=int, default=4, help="rollouts per group (with --groups 2 and 4 steps: "
+                    "the 32 samples the issue measured, before the tiny preset's groups of 8)")
+    ap.add_argument("--groups", type=int, default=2, help="groups a step (the tiny preset now trains 4)")
     ap.add_argument("--lag", type=int, default=2, help="the async arm's rl.max_lag")
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--placement", choices=["split", "shared"], default="split",
@@ -76,6 +77,7 @@ def main() -> None:
     half = (len(cpus) + 1) // 2
     trainer, workers = (cpus[:half], cpus[half:]) if args.placement == "split" else ([], [])
     base = load_config(args.config, [f"rl.steps={args.steps}", f"rl.group_size={args.group_size}",
+                                     f"rl.groups_per_step={args.groups}",
                                      f"rl.workers={args.workers}",
                                      f"rl.trainer_cpus={trainer}", f"rl.worker_cpus={workers}",
                                      f"sandbox.state_dir={root / 'sandboxes'}", f'ray.address="{args.address}"'])
