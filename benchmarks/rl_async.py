@@ -23,7 +23,9 @@ is in neither. The trainer
 idle fraction is the async arm's time waiting for groups over its loop time; delta_fraction is the
 mean bytes published per step over the full weights' bytes.
 
-Last line: `name=value` pairs including async_speedup, trainer_idle_fraction, delta_fraction.
+Last line: `name=value` pairs including async_speedup, trainer_idle_fraction, delta_fraction, and
+async_token_speedup: the same ratio over generated tokens per second, since the two arms' rollouts
+(sampled from different policy versions) need not be as long as each other.
 """
 from __future__ import annotations
 
@@ -38,6 +40,8 @@ from kiln import cluster
 from kiln.config import load_config
 from kiln.rl.launcher import prepare_tasks, run_rl
 
+GENERATED = ("thinking_tokens", "tool_call_tokens", "final_tokens")  # the policy's tokens (not tool outputs)
+
 
 def arm(cfg, checkpoint: str, tasks: Path, out: Path) -> dict:
     out.mkdir(parents=True)
@@ -47,8 +51,10 @@ def arm(cfg, checkpoint: str, tasks: Path, out: Path) -> dict:
     wall = time.monotonic() - t
     rows = s["metrics"]
     samples = sum(len(r["groups"]) for r in rows) * cfg.rl.group_size
+    tokens = sum(r[f"tokens/{k}"] for r in rows for k in GENERATED)
     last = rows[-1]
     return {"samples": samples, "wall_s": wall, "samples_per_s": samples / wall,
+            "tokens": tokens, "tokens_per_s": tokens / wall,
             "idle_fraction": last["idle_s"] / max(last["elapsed_s"], 1e-9),
             "delta_fraction": sum(r["delta_fraction"] for r in rows) / len(rows),
             "reward_mean": sum(r["reward_mean"] for r in rows) / len(rows),
@@ -90,11 +96,17 @@ def main() -> None:
         cfg = base.model_copy(deep=True)
         cfg.rl.max_lag = lag
         res[name] = r = arm(cfg, args.checkpoint, tasks, root / name)
-        print(f"{name} (max_lag {lag}): {r['samples']} rollouts in {r['wall_s']:.1f} s = {r['samples_per_s']:.3f}/s; "
+        print(f"{name} (max_lag {lag}): {r['samples']} rollouts ({r['tokens']} generated tokens) in {r['wall_s']:.1f} s "
+              f"= {r['samples_per_s']:.3f}/s; "
               f"trainer idle {r['idle_fraction']:.0%}; group lags {r['lag']}; delta {r['delta_fraction']:.1%} "
               f"of the weights; mean reward {r['reward_mean']:+.3f}", flush=True)
     speedup = res["async"]["samples_per_s"] / res["sync"]["samples_per_s"]
-    print(f"async_speedup={speedup:.3f} trainer_idle_fraction={res['async']['idle_fraction']:.3f} "
+    # The arms' rollouts differ (the async arm samples from older versions), and so do their lengths:
+    # a few long failing rollouts among 32 move samples/s; generated tokens/s does not count length.
+    token_speedup = res["async"]["tokens_per_s"] / res["sync"]["tokens_per_s"]
+    print(f"async_speedup={speedup:.3f} async_token_speedup={token_speedup:.3f} "
+          f"sync_tokens={res['sync']['tokens']} async_tokens={res['async']['tokens']} "
+          f"trainer_idle_fraction={res['async']['idle_fraction']:.3f} "
           f"sync_trainer_idle_fraction={res['sync']['idle_fraction']:.3f} "
           f"delta_fraction={res['async']['delta_fraction']:.4f} samples={res['async']['samples']} "
           f"sync_samples_per_s={res['sync']['samples_per_s']:.4f} async_samples_per_s={res['async']['samples_per_s']:.4f} "
