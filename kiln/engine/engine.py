@@ -95,8 +95,10 @@ class Request:
 class Engine:
     def __init__(self, model, tokenizer=None, mtp=None, max_batch: int = 8, max_len: int | None = None,
                  version: int = 0, capture_routes: bool = True, native: bool = True, prefix_slots: int = 0,
-                 weight_dtype: torch.dtype = torch.float32, draft_vocab: int | None = None):
-        """prefix_slots: finished sequences kept for prefix reuse (prefix.py); 0 = none.
+                 weight_dtype: torch.dtype = torch.float32, draft_vocab: int | None = None,
+                 carry_turns: bool = False):
+        """prefix_slots: finished sequences kept for prefix reuse (prefix.py); 0 = none. carry_turns:
+        after new weights a kept sequence still serves its own conversation's next turn (prefix.py).
         draft_vocab: the MTP drafter proposes only the draft_vocab tokens it saw most in training
         (its head reads that many rows); default an eighth of the vocabulary, 0 = all of it. The
         output never depends on it, only the share of drafts accepted.
@@ -119,7 +121,8 @@ class Engine:
                              cfg.head_dim, self.dtype, self.device)
         self.mtp_cache = None if mtp is None else KVCache(
             mtp.depth, max_batch, self.max_len, cfg.num_key_value_heads, cfg.head_dim, self.dtype, self.device)
-        self.prefix = PrefixCache(prefix_slots, self.cache, drafter=self.mtp_cache) if prefix_slots > 0 else None
+        self.prefix = PrefixCache(prefix_slots, self.cache, drafter=self.mtp_cache, version=version,
+                                  carry_turns=carry_turns) if prefix_slots > 0 else None
         self.default_stop_ids = _stop_ids(tokenizer, cfg)
         self.fast = FastTrunk(model) if self.dtype == torch.float32 and fast_supports(model) else None
         # Few sequences on the CPU: native.c's step (no per-op dispatch); `native=False` opts out.
@@ -221,8 +224,8 @@ class Engine:
         for trunk in (self.fast, self.native):
             if trunk is not None:
                 trunk.refresh()
-        if self.prefix is not None:
-            self.prefix.clear()  # kept prefixes are the old weights' (running sequences carry on, by design)
+        if self.prefix is not None:  # older entries now serve their own conversations at most
+            self.prefix.version = version
         self.version = version
 
     def _round(self) -> None:
@@ -252,13 +255,20 @@ class Engine:
             r.detok = Detokenizer(self.tok, r.params.stop) if self.tok is not None else None
             slot = len(self.running)
             self.running.append(r)
-            done = 0
+            done, r.kv_version = 0, self.version
             if self.prefix is not None:
-                done, routes = self.prefix.restore(r.prompt_ids, self.cache, slot, self.mtp_cache)
+                done, routes, r.kv_version = self.prefix.restore(r.prompt_ids, self.cache, slot, self.mtp_cache)
                 r.route_prefix = routes if self.capture_routes else []
                 r.drafted = done
             hidden = self.forward(slot, [r.prompt_ids[done:]], [done], [r])
             r.length = len(r.prompt_ids)
+            if self.prefix is not None and self.mtp is None:
+                # Kept now, not only when it finishes: a group's rollouts often send the same prompt
+                # (the task, then the same first tool output) in the same step, and the others then
+                # prefill only its last token. (Without a drafter: this entry has no drafter cache.)
+                fed = r.pending_routes.tolist() if r.pending_routes is not None else []
+                self.prefix.park(self.cache, slot, r.prompt_ids, r.route_prefix + fed if self.capture_routes else None,
+                                 version=r.kv_version)
             self.emit(r, [self.sample(r, self.head(hidden[0, -1]).float().cpu())])
             if self.mtp is not None and r.finish_reason is None:
                 draft(self, slot, [r], hidden, start_positions=[done], n_valid=[r.length - done])
@@ -344,7 +354,7 @@ class Engine:
             routes = self._route_list(r)
             if self.prefix is not None:  # the cache holds the prompt and every token but the last
                 self.prefix.park(self.cache, slot, (r.prompt_ids + r.tokens)[:r.length], routes, self.mtp_cache,
-                                 r.drafted)
+                                 r.drafted, r.kv_version)
             if slot != last:  # keep running sequences in slots 0..n-1
                 moved = self.running[last]
                 self.cache.move(last, slot, moved.length)

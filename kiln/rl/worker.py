@@ -68,10 +68,12 @@ class RolloutWorker:
         model.load_state_dict(got[1])
         max_len = min(cfg.model.context, model.config.max_position_embeddings)
         # rl.worker_groups groups at once share the engine's batches. Prefix reuse: one kept conversation
-        # per rollout, as many again for the prompts that every task's rollouts start with.
+        # per rollout, as many again for the prompts that every task's rollouts start with; a rollout's
+        # turns carry on across new weights as a running sequence does (carry_turns, engine/prefix.py).
         rows = rl.group_size * rl.worker_groups
         self.engine = Engine(model, tok, mtp=mtp, max_batch=rows, max_len=max_len, version=got[0],
-                             prefix_slots=2 * rows, weight_dtype=getattr(torch, cfg.engine.dtype))  # the store's weights are in it
+                             prefix_slots=2 * rows, weight_dtype=getattr(torch, cfg.engine.dtype),  # the store's weights
+                             carry_turns=True)
         self.runner = EngineRunner(self.engine)
         self.runner.start()
         self.stop = threading.Event()

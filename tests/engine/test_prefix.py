@@ -57,20 +57,72 @@ def test_a_group_shares_its_prompt_and_seeded_samples_do_not_change(model):
     assert engine.prefix.hits == 4 and engine.prefix.reused_tokens == 4 * (len(prompt) - 1)
 
 
-def test_new_weights_drop_kept_prefixes():
+def test_prompts_admitted_together_prefill_once(model):
+    """A group's rollouts send the same prompt at once (the task; often the same first tool output):
+    the first is kept when it is admitted, the others prefill only its last token."""
+    prompt = SYSTEM + [9, 8, 7]
+    params = [SamplingParams(temperature=1.0, max_tokens=6, seed=s) for s in range(4)]
+    plain = Engine(model, max_batch=4).generate([prompt] * 4, params)
+    engine = Engine(model, max_batch=4, prefix_slots=4)
+    together = engine.generate([prompt] * 4, params)
+    assert engine.prefix.hits == 3 and engine.prefix.reused_tokens == 3 * (len(prompt) - 1)
+    assert [c.token_ids for c in together] == [c.token_ids for c in plain]
+    assert [c.routes for c in together] == [c.routes for c in plain]
+    for a, b in zip(plain, together):
+        torch.testing.assert_close(torch.tensor(b.logprobs), torch.tensor(a.logprobs), atol=1e-4, rtol=0)
+
+
+def test_new_weights_leave_kept_prefixes_unused():
     model = tiny_model(0)[0]  # its own: an update writes into the engine's model
     new = perturbed(model)
     engine = Engine(model, max_batch=1, prefix_slots=2)
     first = turns(engine, 1)[0]
     engine.update_weights(new, version=1)
     engine.step()  # applies the update
-    assert all(e is None for e in engine.prefix.entries)
     nxt = first.prompt_ids + first.token_ids + [20] * 5
     got = engine.generate([nxt], GREEDY)[0]
     assert engine.prefix.hits == 0 and got.versions == [1] * len(got.token_ids)
     fresh = Engine(tiny_model(0)[0], max_batch=1)
     fresh.update_weights(new, version=1)
     assert got.token_ids == fresh.generate([nxt], GREEDY)[0].token_ids
+
+
+def test_carried_turns_serve_only_their_own_conversation_after_new_weights():
+    model = tiny_model(0)[0]
+    engine = Engine(model, max_batch=1, prefix_slots=4, carry_turns=True)
+    first = turns(engine, 1)[0]
+    engine.update_weights(perturbed(model), version=1)
+    engine.step()
+    # Another prompt sharing only the opening prefills it under the new weights ...
+    engine.generate([SYSTEM + [40, 41, 42]], GREEDY)
+    assert engine.prefix.hits == 0
+    # ... while the conversation's next turn restores all its last turn held, as a running sequence
+    # would have carried it on; its new tokens are the new version's.
+    held = len(first.prompt_ids) + len(first.token_ids) - 1
+    nxt = first.prompt_ids + first.token_ids + [20] * 5
+    got = engine.generate([nxt], GREEDY)[0]
+    assert engine.prefix.hits == 1 and engine.prefix.reused_tokens == held
+    assert got.versions == [1] * len(got.token_ids)
+    # That turn holds version-0 keys and values: it too serves no other prompt (this one gets only the
+    # opening, from the new version's entry), only its continuation.
+    engine.generate([nxt[:held - 3] + [50, 51, 52, 53]], GREEDY)
+    assert engine.prefix.hits == 2 and engine.prefix.reused_tokens == held + len(SYSTEM)
+    engine.generate([nxt + got.token_ids + [21] * 4], GREEDY)
+    assert engine.prefix.reused_tokens == held + len(SYSTEM) + len(nxt) + len(got.token_ids) - 1
+
+
+def test_a_sequence_running_across_new_weights_is_kept_for_its_conversation_only():
+    model = tiny_model(0)[0]
+    engine = Engine(model, max_batch=1, prefix_slots=2)
+    r = engine.submit(SYSTEM + [11, 12], SamplingParams(temperature=0.0, max_tokens=6))
+    engine.step()  # prefilled under version 0
+    engine.update_weights(perturbed(model), version=1)
+    while not r.done.is_set():
+        engine.step()
+    c = r.wait()
+    assert c.versions[0] == 0 and c.versions[-1] == 1
+    engine.generate([SYSTEM + [11, 12] + c.token_ids[:2] + [30] * 3], GREEDY)  # a prompt sharing its prefix
+    assert engine.prefix.hits == 0  # its version-0 keys are not new weights' prefix
 
 
 def test_least_recently_used_entry_is_evicted_and_short_prompts_are_not_kept(model):
