@@ -26,6 +26,11 @@ mean bytes published per step over the full weights' bytes.
 Last line: `name=value` pairs including async_speedup, trainer_idle_fraction, delta_fraction, and
 async_token_speedup: the same ratio over generated tokens per second, since the two arms' rollouts
 (sampled from different policy versions) need not be as long as each other.
+
+`--seeds N` repeats the pair with N consecutive run.seed values (other prompts in another order, other samples;
+each run still N steps of the same samples) and pools them: a ratio is total samples (or tokens)
+over total wall, an idle fraction total idle over total loop time. One pair's 32 rollouts are
+decided by how long a few of them run; the arms alternate within each seed.
 """
 from __future__ import annotations
 
@@ -44,6 +49,7 @@ GENERATED = ("thinking_tokens", "tool_call_tokens", "final_tokens")  # the polic
 
 
 def arm(cfg, checkpoint: str, tasks: Path, out: Path) -> dict:
+    """One `kiln rl` run; -> its samples, tokens, wall and the trainer's idle and loop seconds."""
     out.mkdir(parents=True)
     shutil.copytree(tasks, out / "tasks")
     t = time.monotonic()
@@ -53,12 +59,19 @@ def arm(cfg, checkpoint: str, tasks: Path, out: Path) -> dict:
     samples = sum(len(r["groups"]) for r in rows) * cfg.rl.group_size
     tokens = sum(r[f"tokens/{k}"] for r in rows for k in GENERATED)
     last = rows[-1]
-    return {"samples": samples, "wall_s": wall, "samples_per_s": samples / wall,
-            "tokens": tokens, "tokens_per_s": tokens / wall,
-            "idle_fraction": last["idle_s"] / max(last["elapsed_s"], 1e-9),
-            "delta_fraction": sum(r["delta_fraction"] for r in rows) / len(rows),
-            "reward_mean": sum(r["reward_mean"] for r in rows) / len(rows),
-            "lag": sorted({x for r in rows for x in r["group_lag"]})}
+    return {"samples": samples, "wall_s": wall, "tokens": tokens, "idle_s": last["idle_s"],
+            "loop_s": max(last["elapsed_s"], 1e-9), "steps": len(rows),
+            "delta": sum(r["delta_fraction"] for r in rows), "reward": sum(r["reward_mean"] for r in rows),
+            "lag": {x for r in rows for x in r["group_lag"]}}
+
+
+def pooled(runs: list[dict]) -> dict:
+    """One arm over its runs: rates are totals over total wall, means are over every step."""
+    tot = {k: sum(r[k] for r in runs) for k in ("samples", "wall_s", "tokens", "idle_s", "loop_s", "steps", "delta",
+                                                 "reward")}
+    return {**tot, "samples_per_s": tot["samples"] / tot["wall_s"], "tokens_per_s": tot["tokens"] / tot["wall_s"],
+            "idle_fraction": tot["idle_s"] / tot["loop_s"], "delta_fraction": tot["delta"] / tot["steps"],
+            "reward_mean": tot["reward"] / tot["steps"], "lag": sorted(set().union(*(r["lag"] for r in runs)))}
 
 
 def main() -> None:
@@ -75,7 +88,10 @@ def main() -> None:
                     help="split: trainer and workers on disjoint halves of the CPUs; shared: all on all")
     ap.add_argument("--out", default=None, help="keep both runs here (default: a temporary folder)")
     ap.add_argument("--address", default="", help="a Ray cluster to run on (default: $RAY_ADDRESS, else a local Ray)")
+    ap.add_argument("--seeds", type=int, default=1, help="pairs of runs to pool, run.seed counting up from the config's")
     args = ap.parse_args()
+    if args.seeds < 1:
+        ap.error("--seeds must be at least 1")
     root = Path(args.out or tempfile.mkdtemp(prefix="kiln-rl-bench-"))
     cpus = sorted(os.sched_getaffinity(0))
     if args.placement == "split" and len(cpus) < 2:
@@ -91,15 +107,18 @@ def main() -> None:
     tasks = prepare_tasks(base, root / "shared")
     rl = base.rl
     cluster.connect(base.ray, min_cpus=rl.trainer_resources.get("CPU", 0) + rl.workers * rl.worker_resources.get("CPU", 0))
-    res = {}
-    for name, lag in (("sync", 0), ("async", args.lag)):
-        cfg = base.model_copy(deep=True)
-        cfg.rl.max_lag = lag
-        res[name] = r = arm(cfg, args.checkpoint, tasks, root / name)
-        print(f"{name} (max_lag {lag}): {r['samples']} rollouts ({r['tokens']} generated tokens) in {r['wall_s']:.1f} s "
-              f"= {r['samples_per_s']:.3f}/s; "
-              f"trainer idle {r['idle_fraction']:.0%}; group lags {r['lag']}; delta {r['delta_fraction']:.1%} "
-              f"of the weights; mean reward {r['reward_mean']:+.3f}", flush=True)
+    runs = {"sync": [], "async": []}
+    for seed in range(args.seeds):
+        for name, lag in (("sync", 0), ("async", args.lag)):
+            cfg = base.model_copy(deep=True)
+            cfg.rl.max_lag, cfg.run.seed = lag, base.run.seed + seed
+            runs[name].append(arm(cfg, args.checkpoint, tasks, root / f"{name}-{seed}" if args.seeds > 1 else root / name))
+            r = pooled(runs[name][-1:])
+            print(f"{name} (max_lag {lag}, run.seed {cfg.run.seed}): {r['samples']} rollouts ({r['tokens']} generated tokens) in "
+                  f"{r['wall_s']:.1f} s = {r['samples_per_s']:.3f}/s; trainer idle {r['idle_fraction']:.0%}; "
+                  f"group lags {r['lag']}; delta {r['delta_fraction']:.1%} of the weights; "
+                  f"mean reward {r['reward_mean']:+.3f}", flush=True)
+    res = {name: pooled(rs) for name, rs in runs.items()}
     speedup = res["async"]["samples_per_s"] / res["sync"]["samples_per_s"]
     # The arms' rollouts differ (the async arm samples from older versions), and so do their lengths:
     # a few long failing rollouts among 32 move samples/s; generated tokens/s does not count length.
@@ -108,9 +127,9 @@ def main() -> None:
           f"sync_tokens={res['sync']['tokens']} async_tokens={res['async']['tokens']} "
           f"trainer_idle_fraction={res['async']['idle_fraction']:.3f} "
           f"sync_trainer_idle_fraction={res['sync']['idle_fraction']:.3f} "
-          f"delta_fraction={res['async']['delta_fraction']:.4f} samples={res['async']['samples']} "
+          f"delta_fraction={res['async']['delta_fraction']:.4f} samples={res['async']['samples'] // args.seeds} "
           f"sync_samples_per_s={res['sync']['samples_per_s']:.4f} async_samples_per_s={res['async']['samples_per_s']:.4f} "
-          f"placement={args.placement} cpus={len(cpus)}")
+          f"placement={args.placement} cpus={len(cpus)} seeds={args.seeds}")
     if not args.out:
         shutil.rmtree(root, ignore_errors=True)
 
