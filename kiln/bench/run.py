@@ -180,7 +180,7 @@ def run_bench(suite_dir: str, policy_name: str, passes: int = 1, workers: int = 
     start, errors, consecutive, aborted = time.monotonic(), 0, 0, ""
     try:  # loaded only when there is work: a resumed run with nothing left needs no model
         runner = (start_engine(config.policy.checkpoint, workers, config.policy.speculative, config.model.context,
-                               config.engine.dtype)
+                               config.engine.dtype, config.engine.lookup)
                   if policy_name == "local" and todo else None)
     except BaseException:
         log.close()
@@ -247,9 +247,13 @@ def run_bench(suite_dir: str, policy_name: str, passes: int = 1, workers: int = 
         log.close()
         snaps.close()
     rows = [r for r in log.rows if key(r["task_id"], r["pass"]) in wanted]  # a longer run may share the log
-    # The local policy's engine: how many sequences it decoded together at most (batching at work).
-    engine = {} if runner is None else {"engine": {"max_batch": runner.engine.max_batch,
-                                                   "peak_batch": runner.peak_running}}
+    # The local policy's engine: how many sequences it decoded together at most (batching at work),
+    # and with a drafter its verification steps and the drafts they accepted.
+    engine = {}
+    if runner is not None:
+        stats = runner.engine.spec_stats
+        engine = {"engine": {"max_batch": runner.engine.max_batch, "peak_batch": runner.peak_running,
+                             **({"drafts": {"steps": stats.steps, "accepted": sum(stats.accepted)}} if stats.depth else {})}}
     summary = write_outputs(out_dir, rows, len(tasks), passes, suite=os.path.abspath(suite_dir),
                             policy=policy_name, errors=errors, skipped=skipped, wall_s=time.monotonic() - start,
                             **engine)
@@ -259,12 +263,13 @@ def run_bench(suite_dir: str, policy_name: str, passes: int = 1, workers: int = 
 
 
 def start_engine(checkpoint: str, max_batch: int, speculative: bool = False, max_len: int | None = None,
-                 dtype: str = "float32"):
+                 dtype: str = "float32", lookup: int = 0):
     """The checkpoint's model and tokenizer in one engine (on the GPU when there is one, with `dtype`
     weights: engine.dtype), batching
     up to max_batch sequences, on a started EngineRunner; the caller closes it. Speculative: with
-    the MTP drafter. Prefix reuse (2 x max_batch kept sequences, the drafter's cache too), so each
-    turn of a rollout prefills only its new tokens. No routes: only RL's router replay reads them.
+    the MTP drafter; lookup: prompt-lookup drafts a step (engine.lookup). Prefix reuse (2 x
+    max_batch kept sequences, the drafter's cache too), so each turn of a rollout prefills only its
+    new tokens. No routes: only RL's router replay reads them.
     max_len (model.context, as RL's workers): the context, when the model's own is longer. Every
     sequence and kept prefix gets a KV cache of that many positions: at SmolLM2's 8,192 the 12
     slots of 4 workers took 4.5 GB, at Gemma 3's 32,768 they would take 14 GB."""
@@ -283,7 +288,7 @@ def start_engine(checkpoint: str, max_batch: int, speculative: bool = False, max
         raise BenchError(f"policy.checkpoint {checkpoint!r} cannot be loaded: {e}") from None
     context = min(max_len or model.config.max_position_embeddings, model.config.max_position_embeddings)
     runner = EngineRunner(Engine(model, tok, mtp, max_batch=max_batch, max_len=context, capture_routes=False,
-                                prefix_slots=2 * max_batch, weight_dtype=getattr(torch, dtype)))
+                                prefix_slots=2 * max_batch, weight_dtype=getattr(torch, dtype), lookup=lookup))
     runner.start()
     return runner
 

@@ -23,6 +23,7 @@ from kiln.engine.detok import Detokenizer
 from kiln.engine.fast import FastTrunk
 from kiln.engine.fast import supports as fast_supports
 from kiln.engine.kvcache import KVCache
+from kiln.engine.lookup import lookup_step
 from kiln.engine.native import (
     MAX_TOKENS,
     NATIVE_PREFILL,
@@ -83,6 +84,9 @@ class Request:
     draft_probs: list[torch.Tensor | None] = field(default_factory=list)
     mtp_tail: torch.Tensor | None = None  # main hidden rows of the last MTP-depth - 1 fed positions
     drafted: int = 0  # leading positions whose MTP-cache entries read only known tokens (prefix reuse keeps them)
+    kv_version: int = 0  # the oldest weights version among its cached keys and values (prefix reuse keeps it)
+    ngrams: dict = field(default_factory=dict)  # prompt lookup: n-gram -> the position after its latest occurrence
+    indexed: int = 0  # positions of prompt + tokens already in ngrams
 
     def wait(self, timeout: float | None = None) -> Completion:
         if not self.done.wait(timeout):
@@ -96,8 +100,9 @@ class Engine:
     def __init__(self, model, tokenizer=None, mtp=None, max_batch: int = 8, max_len: int | None = None,
                  version: int = 0, capture_routes: bool = True, native: bool = True, prefix_slots: int = 0,
                  weight_dtype: torch.dtype = torch.float32, draft_vocab: int | None = None,
-                 carry_turns: bool = False):
-        """prefix_slots: finished sequences kept for prefix reuse (prefix.py); 0 = none. carry_turns:
+                 carry_turns: bool = False, lookup: int = 0):
+        """lookup: prompt-lookup drafts a step (lookup.py), without an MTP drafter; 0 = none.
+        prefix_slots: finished sequences kept for prefix reuse (prefix.py); 0 = none. carry_turns:
         after new weights a kept sequence still serves its own conversation's next turn (prefix.py).
         draft_vocab: the MTP drafter proposes only the draft_vocab tokens it saw most in training
         (its head reads that many rows); default an eighth of the vocabulary, 0 = all of it. The
@@ -106,12 +111,14 @@ class Engine:
         rounded to bf16 in place, here and at every weight update; the native step reads bf16 copies
         of the weight matrices, torch (prefills) the rounded fp32 values, activations stay fp32."""
         cfg = model.config
+        if not 0 <= lookup < MAX_TOKENS or (lookup and mtp is not None):
+            raise ValueError(f"lookup must be 0-{MAX_TOKENS - 1} drafts, and 0 with an MTP drafter (got {lookup})")
         if weight_dtype not in (torch.float32, torch.bfloat16):
             raise ValueError(f"weight_dtype must be torch.float32 or torch.bfloat16, not {weight_dtype}")
         p = next(model.parameters())
         if weight_dtype == torch.bfloat16 and p.dtype != torch.float32:
             raise ValueError(f"a bf16 sampler keeps fp32 activations: give an fp32 model (this one is {p.dtype})")
-        self.model, self.tok, self.mtp = model, tokenizer, mtp
+        self.model, self.tok, self.mtp, self.lookup = model, tokenizer, mtp, lookup
         self.version, self.capture_routes = version, capture_routes
         self.max_batch = max_batch
         self.max_len = max_len or cfg.max_position_embeddings
@@ -140,7 +147,7 @@ class Engine:
         self._pending: tuple | None = None
         self._lock = threading.Lock()
         self._ids = itertools.count()
-        self.spec_stats = SpecStats(mtp.depth if mtp is not None else 0)
+        self.spec_stats = SpecStats(mtp.depth if mtp is not None else lookup)
         self.wake = threading.Event()  # set when work arrives (serve's loop sleeps on it)
 
     # ---- called from any thread -------------------------------------------------------------
@@ -186,6 +193,8 @@ class Engine:
         if self.running:
             if self.mtp is not None:
                 spec_step(self)
+            elif self.lookup:
+                lookup_step(self)
             else:
                 self._decode()
             finished += self._retire()

@@ -87,9 +87,9 @@ def verify(r, logits: torch.Tensor, depth: int) -> tuple[list[tuple[int, float]]
     lp = policy_logprobs(logits, p_.temperature)
     for j in range(depth):
         d = r.drafts[j]
-        p, q = sampling_probs(logits[j], p_), r.draft_probs[j]
-        if not float(torch.rand((), generator=r.gen)) * float(q[d]) < float(p[d]):
-            resid = (p - q).clamp(min=0)
+        p, q = sampling_probs(logits[j], p_), r.draft_probs[j]  # q None: a point mass at d (lookup.py)
+        if not float(torch.rand((), generator=r.gen)) * (1.0 if q is None else float(q[d])) < float(p[d]):
+            resid = p.index_fill(0, torch.tensor([d]), 0.0) if q is None else (p - q).clamp(min=0)
             y = draw(resid, r.gen) if resid.sum() > 0 else sample_row(logits[j], p_, r.gen)
             return new + [(y, float(lp[j, y]))], j
         new.append((d, float(lp[j, d])))

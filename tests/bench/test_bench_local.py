@@ -48,6 +48,16 @@ def test_two_rollouts_share_one_engine_and_keep_token_data(suite, tcfg, tiny_che
         assert json.load(f)["checkpoint"] == os.path.abspath(tiny_checkpoint)
 
 
+def test_engine_lookup_drafts_in_the_local_policy(suite, tcfg, tiny_checkpoint, tmp_path):
+    cfg = local_config(tcfg, tiny_checkpoint)
+    cfg.engine.lookup = 4
+    cfg.policy.temperature = 0.0  # an untrained model's greedy replies repeat themselves: drafts to copy
+    s = run_bench(suite, "local", passes=1, workers=2, out_dir=str(tmp_path / "bench"), config=cfg, progress=False)
+    assert s["errors"] == 0
+    drafts = s["engine"]["drafts"]  # the turns' tokens came through prompt-lookup verification steps
+    assert drafts["steps"] > 0 and 0 <= drafts["accepted"]
+
+
 def test_a_missing_checkpoint_is_a_clear_error(suite, tcfg, tmp_path):
     with pytest.raises(BenchError, match=r"policy.checkpoint .*nowhere.*: no such checkpoint directory"):
         run_bench(suite, "local", out_dir=str(tmp_path / "b1"), config=local_config(tcfg, tmp_path / "nowhere"),

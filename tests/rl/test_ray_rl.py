@@ -46,16 +46,21 @@ def _trained(rl_dir):
     return [g for g in state["groups"].values() if g["status"] == "trained"]
 
 
-@pytest.mark.parametrize("dtype, speculative", [("float32", False), pytest.param("bfloat16", False, marks=pytest.mark.slow),
-                                                ("float32", True)])
+@pytest.mark.parametrize("dtype, speculative, lookup", [
+    ("float32", False, 0), pytest.param("bfloat16", False, 0, marks=pytest.mark.slow), ("float32", True, 0),
+    ("float32", False, 4)])
 def test_rl_runs_trains_publishes_and_never_repeats_a_prompt(tmp_path, tiny_checkpoint, ray_cluster, rl_dirs, dtype,
-                                                            speculative):
+                                                            speculative, lookup):
     rl_dir = rl_dirs(tmp_path)
     cpus = sorted(os.sched_getaffinity(0))  # the trainer and the workers pinned apart (rl/placement.py)
-    s = run_rl(_cfg(tmp_path, f"engine.dtype={dtype}", trainer_cpus=cpus[:1], worker_cpus=cpus[-1:],
-                    speculative=speculative), str(tiny_checkpoint), str(rl_dir), progress=False)
-    # with rl.speculative every worker that rolled out drafted with the checkpoint's MTP; without it none did
-    assert s["drafts"] and all((d["steps"] > 0) == speculative for d in s["drafts"].values())
+    # (near-greedy with lookup: the untrained model's replies then repeat themselves, which drafts copy)
+    s = run_rl(_cfg(tmp_path, f"engine.dtype={dtype}", f"engine.lookup={lookup}", trainer_cpus=cpus[:1],
+                    worker_cpus=cpus[-1:], speculative=speculative, **({"temperature": 0.05} if lookup else {})),
+               str(tiny_checkpoint), str(rl_dir), progress=False)
+    # with rl.speculative every worker that rolled out drafted with the checkpoint's MTP, with
+    # engine.lookup workers drafted where their sequences repeated themselves; without either none did
+    steps = [d["steps"] for d in s["drafts"].values()]
+    assert steps and (all(steps) if speculative else any(steps) if lookup else not any(steps))
     rows = s["metrics"]
     assert [r["step"] for r in rows] == [1, 2]
     assert all(max(r["group_lag"]) <= 1 for r in rows)  # admission bounds staleness

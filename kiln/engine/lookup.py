@@ -1,0 +1,60 @@
+"""Prompt-lookup speculative decoding: drafts copied from the sequence itself (vLLM's "ngram"
+drafter, the idea behind speculative edits). An agent's turns copy a lot (file text into an edit's
+old_str, names, paths, the tool-call JSON's shape), so the tokens that followed the latest earlier
+occurrence of a sequence's last N tokens are often the next ones. Nothing is trained or run to
+draft; the main model verifies the drafts in one forward, as with the MTP drafter.
+
+Each row proposes up to `depth` drafts (none when its last N tokens never occurred before); the
+rows of a step are fed their last token plus the longest row's count of drafts, a shorter row's
+tail padded with its own last draft (any token is a valid draft: it is only accepted as the
+verification allows). Verification is `speculative.verify` with q a point mass at each draft: greedy
+output equals plain greedy decoding, samples are distributed exactly as plain sampling.
+"""
+from __future__ import annotations
+
+from kiln.engine.speculative import verify
+
+# The n-gram a draft is looked up by. On the rollouts of benchmarks/rl_async.py (docs/architecture.md,
+# "Where an RL rollout core's time goes") 2 gave the most tokens a step at every depth, 3 and 4 fewer.
+N = 2
+
+
+def propose(r, depth: int) -> list[int]:
+    """Up to `depth` tokens that followed the latest earlier occurrence of r's last N tokens
+    (its prompt and tokens so far), indexed incrementally on the request."""
+    seq = r.prompt_ids + r.tokens
+    # The n-gram ending before position i -> i, for every i but the end (the suffix itself); the
+    # latest occurrence wins.
+    for i in range(max(r.indexed, N), len(seq)):
+        r.ngrams[tuple(seq[i - N:i])] = i
+    r.indexed = len(seq)
+    at = r.ngrams.get(tuple(seq[-N:]))
+    return seq[at:at + depth] if at is not None else []
+
+
+def lookup_step(engine) -> None:
+    """One decoding step of every running sequence with prompt-lookup drafts (plain when no row has
+    any). Drafts stop short of the cache's end."""
+    rs = engine.running
+    room = min(engine.max_len - r.length - 1 for r in rs)  # every row is fed as many positions
+    drafts = [propose(r, min(engine.lookup, room)) for r in rs]
+    t = max(map(len, drafts))
+    if t == 0:
+        engine._decode()
+        return
+    for r, d in zip(rs, drafts):
+        r.drafts = (d + [d[-1] if d else r.tokens[-1]] * t)[:t]
+        r.draft_probs = [None] * t  # a point mass at each draft (verify's rule for None)
+    hidden = engine.forward(0, [[r.tokens[-1]] + r.drafts for r in rs], [r.length for r in rs], rs)
+    logits = engine.head(hidden).float().cpu()
+    stats = engine.spec_stats
+    for b, r in enumerate(rs):
+        new, a = verify(r, logits[b], t)
+        n = len(drafts[b])  # its own drafts (the padding is verified too, but not counted)
+        stats.steps += n > 0
+        for j in range(min(a + 1, n)):
+            stats.proposed[j] += 1
+        for j in range(min(a, n)):
+            stats.accepted[j] += 1
+        r.length += a + 1
+        engine.emit(r, new, fed=a + 1)
