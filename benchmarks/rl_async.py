@@ -27,9 +27,9 @@ Last line: `name=value` pairs including async_speedup, trainer_idle_fraction, de
 async_token_speedup: the same ratio over generated tokens per second, since the two arms' rollouts
 (sampled from different policy versions) need not be as long as each other.
 
-`--seeds N` repeats the pair with N consecutive run.seed values (other prompts in another order, other samples;
-each run still N steps of the same samples) and pools them: a ratio is total samples (or tokens)
-over total wall, an idle fraction total idle over total loop time. One pair's 32 rollouts are
+`--seeds N` repeats the pair with N consecutive run.seed values (other prompts in another order,
+other samples; each run keeps the same steps and samples) and pools them: a ratio is total samples
+(or tokens) over total wall, an idle fraction total idle over total loop time. One pair's 32 rollouts are
 decided by how long a few of them run; the arms alternate within each seed.
 """
 from __future__ import annotations

@@ -55,7 +55,7 @@ def test_engine_lookup_drafts_in_the_local_policy(suite, tcfg, tiny_checkpoint, 
     s = run_bench(suite, "local", passes=1, workers=2, out_dir=str(tmp_path / "bench"), config=cfg, progress=False)
     assert s["errors"] == 0
     drafts = s["engine"]["drafts"]  # the turns' tokens came through prompt-lookup verification steps
-    assert drafts["steps"] > 0 and 0 <= drafts["accepted"]
+    assert drafts["steps"] > 0
 
 
 def test_a_missing_checkpoint_is_a_clear_error(suite, tcfg, tmp_path):

@@ -8,7 +8,7 @@ import torch
 from kiln.engine import Engine, SamplingParams
 from kiln.engine.engine import Request
 from kiln.engine.lookup import propose
-from tests.engine.test_speculative import bigram, markov_chi_square_p  # noqa: F401 - bigram is a fixture
+from tests.engine.test_speculative import bigram, bigram_kernel, markov_chi_square_p  # noqa: F401 - bigram is a fixture
 from tests.threads import one_thread  # noqa: F401 - autouse: one torch thread in this module
 from tests.tiny_model import tiny_model
 
@@ -52,10 +52,7 @@ def test_sampled_lookup_is_exact(bigram, mode):  # noqa: F811 - the fixture
     constantly) acceptance, the residual resample and the bonus token all shape the output."""
     model, _, logits = bigram
     top_k = 8 if "top_k" in mode else 0
-    kernel = torch.softmax(logits.double(), -1)
-    if top_k:
-        kept = logits >= logits.topk(top_k, -1).values[:, -1:]
-        kernel = kernel * kept / (kernel * kept).sum(-1, keepdim=True)
+    kernel = bigram_kernel(logits, top_k)
     engine = Engine(model, max_batch=64, capture_routes=False, lookup=0 if mode == "plain" else 3)
     v, n_seq = model.config.vocab_size, 64
     params = [SamplingParams(temperature=1.0, top_k=top_k, max_tokens=48, seed=s, stop_token_ids=())

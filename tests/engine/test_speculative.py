@@ -316,6 +316,16 @@ def markov_chi_square_p(prev: torch.Tensor, nxt: torch.Tensor, kernel: torch.Ten
     return chi2_sf(sum(r[0] for r in rows), sum(r[1] for r in rows))
 
 
+def bigram_kernel(logits: torch.Tensor, top_k: int = 0) -> torch.Tensor:
+    """The exact next-token kernel [V, V] of a bigram model's logits at temperature 1, truncated to
+    each row's top_k tokens when given."""
+    kernel = torch.softmax(logits.double(), -1)
+    if top_k:
+        kept = logits >= logits.topk(top_k, -1).values[:, -1:]
+        kernel = kernel * kept / (kernel * kept).sum(-1, keepdim=True)
+    return kernel
+
+
 @pytest.fixture(scope="module")
 def bigram():
     """A 16-token model whose next-token distribution depends on the current token only:
@@ -345,10 +355,7 @@ def test_sampled_speculative_decoding_is_exact(bigram, mode):
     accept; resample from p instead of the residual) land below 1e-6."""
     model, mtp, logits = bigram
     top_k = 8 if "top_k" in mode else 0
-    kernel = torch.softmax(logits.double(), -1)
-    if top_k:
-        kept = logits >= logits.topk(top_k, -1).values[:, -1:]
-        kernel = kernel * kept / (kernel * kept).sum(-1, keepdim=True)
+    kernel = bigram_kernel(logits, top_k)
     if "draft_vocab" in mode:  # drafts from 6 of the 16 tokens: q is 0 where p is not
         mtp = with_counts(mtp, [3, 9, 0, 14, 5, 7])
     engine = Engine(model, mtp=None if mode == "plain" else mtp, max_batch=64, capture_routes=False, draft_vocab=6)
