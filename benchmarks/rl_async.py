@@ -8,7 +8,7 @@ that version, the trainer waits for the last of them, and the workers wait for t
 The asynchronous arm admits rollouts up to `--lag` versions ahead, so rollouts and training
 overlap and stragglers do not stall the step. The prompts are generated once and shared.
 
-    .venv/bin/python benchmarks/rl_async.py --checkpoint runs/tiny/sft/checkpoint [--steps 4]
+    .venv/bin/python benchmarks/rl_async.py --checkpoint runs/tiny/sft/checkpoint [--steps 4] [key=value ...]
 
 Placement (`--placement`): by default "split", the trainer on the first half of this machine's CPUs
 and the workers (with their sandboxes) on the rest, as the recipe runs them on separate hardware.
@@ -42,7 +42,7 @@ import time
 from pathlib import Path
 
 from kiln import cluster
-from kiln.config import load_config
+from kiln.config import ConfigError, load_config
 from kiln.rl.launcher import prepare_tasks, run_rl
 
 GENERATED = ("thinking_tokens", "tool_call_tokens", "final_tokens")  # the policy's tokens (not tool outputs)
@@ -89,6 +89,8 @@ def main() -> None:
     ap.add_argument("--out", default=None, help="keep both runs here (default: a temporary folder)")
     ap.add_argument("--address", default="", help="a Ray cluster to run on (default: $RAY_ADDRESS, else a local Ray)")
     ap.add_argument("--seeds", type=int, default=1, help="pairs of runs to pool, run.seed counting up from the config's")
+    ap.add_argument("overrides", nargs="*", help="dotted key=value config overrides for both arms, after the flags' "
+                    "(e.g. engine.dtype=bfloat16)")
     args = ap.parse_args()
     if args.seeds < 1:
         ap.error("--seeds must be at least 1")
@@ -98,11 +100,16 @@ def main() -> None:
         ap.error("--placement split needs at least 2 CPUs; use --placement shared")
     half = (len(cpus) + 1) // 2
     trainer, workers = (cpus[:half], cpus[half:]) if args.placement == "split" else ([], [])
-    base = load_config(args.config, [f"rl.steps={args.steps}", f"rl.group_size={args.group_size}",
-                                     f"rl.groups_per_step={args.groups}",
-                                     f"rl.workers={args.workers}",
-                                     f"rl.trainer_cpus={trainer}", f"rl.worker_cpus={workers}",
-                                     f"sandbox.state_dir={root / 'sandboxes'}", f'ray.address="{args.address}"'])
+    try:
+        base = load_config(args.config, [f"rl.steps={args.steps}", f"rl.group_size={args.group_size}",
+                                         f"rl.groups_per_step={args.groups}",
+                                         f"rl.workers={args.workers}",
+                                         f"rl.trainer_cpus={trainer}", f"rl.worker_cpus={workers}",
+                                         f"sandbox.state_dir={root / 'sandboxes'}", f'ray.address="{args.address}"', *args.overrides])
+    except ConfigError as e:
+        if not args.out:
+            shutil.rmtree(root, ignore_errors=True)
+        ap.error(str(e))
     print(f"placement {args.placement}: trainer on CPUs {trainer or cpus}, workers on {workers or cpus}", flush=True)
     tasks = prepare_tasks(base, root / "shared")
     rl = base.rl

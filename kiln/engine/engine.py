@@ -305,6 +305,21 @@ class Engine:
                 r.pending_routes = rr
         return hidden
 
+    def forward_rows(self, ids: list[list[int]], starts: list[int], reqs: list[Request]) -> list[torch.Tensor]:
+        """`forward` over slots 0.. where each row has its own number of tokens -> each row's hidden
+        states [T_b, D]. Natively one ragged call, so a row pays only for its own tokens; through
+        torch the rows are padded to the longest with copies of their last token (positions past
+        a row's own are later overwritten)."""
+        lens = [len(row) for row in ids]
+        if self.native is None or len(ids) > NATIVE_MAX_BATCH or max(lens) > MAX_TOKENS:
+            hidden = self.forward(0, [row + row[-1:] * (max(lens) - len(row)) for row in ids], starts, reqs)
+            return [hidden[b, :n] for b, n in enumerate(lens)]
+        hidden, routes = self.native.trunk_ragged(ids, starts, self.cache, 0)
+        if self.capture_routes and routes is not None:
+            for r, rr in zip(reqs, routes.to(torch.int16).split(lens)):
+                r.pending_routes = rr
+        return list(hidden.split(lens))
+
     def _decode(self) -> None:
         rs = self.running
         logits = self.head(self.forward(0, [[r.tokens[-1]] for r in rs], [r.length for r in rs], rs)[:, -1]).float().cpu()

@@ -4,13 +4,15 @@ old_str, names, paths, the tool-call JSON's shape), so the tokens that followed 
 occurrence of a sequence's last N tokens are often the next ones. Nothing is trained or run to
 draft; the main model verifies the drafts in one forward, as with the MTP drafter.
 
-Each row proposes up to `depth` drafts (none when its last N tokens never occurred before); the
-rows of a step are fed their last token plus the longest row's count of drafts, a shorter row's
-tail padded with its own last draft (any token is a valid draft: it is only accepted as the
-verification allows). Verification is `speculative.verify` with q a point mass at each draft: greedy
-output equals plain greedy decoding, samples are distributed exactly as plain sampling.
+Each row proposes up to `depth` drafts (none when its last N tokens never occurred before) and is
+fed its last token plus its own drafts, in one ragged native call for all rows (through torch,
+rows are padded to the longest). Verification is `speculative.verify` with q a point mass at each
+draft: greedy output equals plain greedy decoding, samples are distributed exactly as plain
+sampling.
 """
 from __future__ import annotations
+
+import torch
 
 from kiln.engine.speculative import verify
 
@@ -34,27 +36,23 @@ def propose(r, depth: int) -> list[int]:
 
 def lookup_step(engine) -> None:
     """One decoding step of every running sequence with prompt-lookup drafts (plain when no row has
-    any). Drafts stop short of the cache's end."""
+    any): each row is fed its last token and its own drafts. Drafts stop short of the cache's end."""
     rs = engine.running
-    room = min(engine.max_len - r.length - 1 for r in rs)  # every row is fed as many positions
-    drafts = [propose(r, min(engine.lookup, room)) for r in rs]
-    t = max(map(len, drafts))
-    if t == 0:
+    drafts = [propose(r, min(engine.lookup, engine.max_len - r.length - 1)) for r in rs]
+    if not any(drafts):
         engine._decode()
         return
     for r, d in zip(rs, drafts):
-        r.drafts = (d + [d[-1] if d else r.tokens[-1]] * t)[:t]
-        r.draft_probs = [None] * t  # a point mass at each draft (verify's rule for None)
-    hidden = engine.forward(0, [[r.tokens[-1]] + r.drafts for r in rs], [r.length for r in rs], rs)
-    logits = engine.head(hidden).float().cpu()
+        r.drafts, r.draft_probs = d, [None] * len(d)  # a point mass at each draft (verify's rule for None)
+    hidden = engine.forward_rows([[r.tokens[-1]] + r.drafts for r in rs], [r.length for r in rs], rs)
+    logits = engine.head(torch.cat(hidden)).float().cpu().split([len(d) + 1 for d in drafts])
     stats = engine.spec_stats
-    for b, r in enumerate(rs):
-        new, a = verify(r, logits[b], t)
-        n = len(drafts[b])  # its own drafts (the padding is verified too, but not counted)
-        stats.steps += n > 0
-        for j in range(min(a + 1, n)):
+    for r, d, lg in zip(rs, drafts, logits):
+        new, a = verify(r, lg, len(d))
+        stats.steps += bool(d)
+        for j in range(min(a + 1, len(d))):
             stats.proposed[j] += 1
-        for j in range(min(a, n)):
+        for j in range(a):
             stats.accepted[j] += 1
         r.length += a + 1
         engine.emit(r, new, fed=a + 1)

@@ -4,8 +4,8 @@
  * Decoding a tiny model one token at a time on a CPU costs hundreds of small tensor ops per token,
  * each a dispatch; this does the same math (kiln/model/moe.py; also Qwen3 dense and Llama, whose
  * layers are the same block without experts or q/k norms) in one call, straight from the model's
- * own parameter memory. A call takes B sequences (cache slots) of T tokens each and streams every
- * weight once for all B x T tokens: each weight row is loaded from memory once and its dot products
+ * own parameter memory. A call takes B sequences (cache slots) of up to T tokens each (T each, or
+ * each row its own count) and streams every weight once for all their tokens: each weight row is loaded from memory once and its dot products
  * with every input vector are computed before the next row (up to four together from registers
  * with AVX-512; one at a time, the row staying in L1, where there are fewer registers), and the MoE
  * groups the call's tokens by expert, so an expert's weights are read once whichever rows chose it.
@@ -505,11 +505,11 @@ int64_t kiln_scratch_floats(const Model *m, int B, int T) { return layout(m, B, 
 
 /* ---- attention ------------------------------------------------------------------------------ */
 typedef struct {
-    int T, hd, group, n_heads, max_len, n_kv, max_tokens;
-    const int32_t *pos0;
-    const float *q, *kc, *vc; /* q [B*T, H*hd]; this layer's cache for sequence 0 */
+    int T, hd, group, n_heads, max_len, n_kv, max_tokens; /* T: the most tokens of any row */
+    const int32_t *pos0, *off;
+    const float *q, *kc, *vc; /* q [N, H*hd]; this layer's cache for sequence 0 */
     int64_t slot_stride;
-    float *att, *scratch; /* att [B*T, H*hd] */
+    float *att, *scratch; /* att [N, H*hd] */
     int64_t each;
     float scale;
 } Attn;
@@ -622,20 +622,21 @@ INLINE void scores_all(const int C, const float *qs, int NQ, const float *kh, in
     }
 }
 
-/* Units u = (sequence b, KV head g): the group's query heads for each of the sequence's T tokens
- * against its cache. Token t sees positions 0..pos0+t of its own slot. */
+/* Units u = (sequence b, KV head g): the group's query heads for each of the sequence's tokens
+ * against its cache. Its token t sees positions 0..pos0+t of its own slot. */
 static void attend_units(void *c, int lo, int hi) {
     const Attn *a = c;
-    const int hd = a->hd, T = a->T, G = a->group, NQ = T * G, Q = a->n_heads * hd;
+    const int hd = a->hd, G = a->group, Q = a->n_heads * hd, most = a->T * G;
     const int64_t ld = round16(a->max_tokens + 16);
-    float *qs = a->scratch + (lo ? a->each : 0), *e = qs + round16((int64_t)NQ * hd), *sums = e + NQ * ld;
-    float *pad = sums + round16(NQ);
+    float *qs = a->scratch + (lo ? a->each : 0), *e = qs + round16((int64_t)most * hd), *sums = e + most * ld;
+    float *pad = sums + round16(most);
     for (int u = lo; u < hi; u++) {
-        const int b = u / a->n_kv, g = u % a->n_kv, pos0 = a->pos0[b], nmax = pos0 + T;
+        const int b = u / a->n_kv, g = u % a->n_kv, pos0 = a->pos0[b], first = a->off[b], T = a->off[b + 1] - first;
+        const int NQ = T * G, nmax = pos0 + T;
         const float *kh = a->kc + b * a->slot_stride + (int64_t)g * a->max_len * hd;
         const float *vh = a->vc + b * a->slot_stride + (int64_t)g * a->max_len * hd;
         for (int t = 0; t < T; t++)
-            memcpy(qs + (int64_t)t * G * hd, a->q + ((int64_t)b * T + t) * Q + (int64_t)g * G * hd,
+            memcpy(qs + (int64_t)t * G * hd, a->q + ((int64_t)first + t) * Q + (int64_t)g * G * hd,
                    (size_t)G * hd * sizeof(float));
         switch (hd % 16 == 0 && hd <= 128 ? hd / 16 : 0) {
         case 1: scores_all(1, qs, NQ, kh, nmax, hd, a->scale, e, ld, pad); break;
@@ -673,7 +674,7 @@ static void attend_units(void *c, int lo, int hi) {
             float *outs[4];
             for (int i = 0; i < nb; i++) {
                 int t = (i0 + i) / G, h = g * G + (i0 + i) % G;
-                outs[i] = a->att + ((int64_t)b * T + t) * Q + (int64_t)h * hd;
+                outs[i] = a->att + ((int64_t)first + t) * Q + (int64_t)h * hd;
             }
             attend_out_any(nb, hd, e + i0 * ld, ld, vh, pos0 + (i0 + nb - 1) / G + 1, sums + i0, outs);
         }
@@ -682,21 +683,21 @@ static void attend_units(void *c, int lo, int hi) {
 
 /* ---- the decoder block ------------------------------------------------------------------------- */
 typedef struct {
-    int B, T, max_len;
-    const int32_t *pos0;
+    int B, T, max_len;     /* T: the most tokens of any row */
+    const int32_t *pos0, *off; /* row b: tokens off[b]..off[b + 1] - 1 at positions pos0[b].. */
     float *kc, *vc; /* this layer's cache, slot of sequence 0 */
     int64_t slot_stride;
 } Batch;
 
-/* Decoder layer l over the batch's N = B x T tokens, in place on hidden [N, D]. routes (may be
+/* Decoder layer l over the batch's N = off[B] tokens, in place on hidden [N, D]. routes (may be
  * NULL): the chosen experts of token n at routes[n * route_stride + j]. */
 /* need: NULL, or per token whether its output is used; a MoE layer skips the feed-forward of the
  * others (the drafter's last layer: its cache entries are all it keeps of them). */
 static void block(const Model *m, int l, float *hidden, const Batch *bt, int32_t *routes, int route_stride,
                   float *scratch, const uint8_t *need) {
     const int D = m->dim, H = m->n_heads, KV = m->n_kv_heads, hd = m->head_dim, E = m->n_experts, K = m->top_k;
-    const int Q = H * hd, KVD = KV * hd, B = bt->B, T = bt->T, N = B * T, half = hd / 2;
-    const Layout s = layout(m, B, T);
+    const int Q = H * hd, KVD = KV * hd, B = bt->B, N = bt->off[B], half = hd / 2;
+    const Layout s = layout(m, B, bt->T);
     float *h = scratch + s.h, *q = scratch + s.q, *k = scratch + s.k, *v = scratch + s.v, *att = scratch + s.att;
     float *y = scratch + s.y, *rope_tab = scratch + s.rope;
 
@@ -705,8 +706,9 @@ static void block(const Model *m, int l, float *hidden, const Batch *bt, int32_t
     matmul(m, m->wq[l], h, D, q, Q, Q, D, N);
     matmul(m, m->wk[l], h, D, k, KVD, KVD, D, N);
     matmul(m, m->wv[l], h, D, v, KVD, KVD, D, N);
-    for (int n = 0; n < N; n++) {
-        const int b = n / T, pos = bt->pos0[b] + n % T;
+    for (int b = 0, n = 0; n < N; n++) {
+        while (n == bt->off[b + 1]) b++;
+        const int pos = bt->pos0[b] + n - bt->off[b];
         const float *cs = rope_tab + (int64_t)n * hd, *sn = cs + half;
         for (int j = 0; j < H; j++) {
             float *qj = q + (int64_t)n * Q + j * hd;
@@ -722,10 +724,10 @@ static void block(const Model *m, int l, float *hidden, const Batch *bt, int32_t
             memcpy(vc + ((int64_t)j * bt->max_len + pos) * hd, v + (int64_t)n * KVD + j * hd, hd * sizeof(float));
         }
     }
-    Attn a = {T, hd, H / KV, H, bt->max_len, KV, m->max_tokens, bt->pos0, q, bt->kc, bt->vc, bt->slot_stride, att,
-              scratch + s.attn, s.attn_each, 1.f / sqrtf((float)hd)};
+    Attn a = {bt->T, hd, H / KV, H, bt->max_len, KV, m->max_tokens, bt->pos0, bt->off, q, bt->kc, bt->vc,
+              bt->slot_stride, att, scratch + s.attn, s.attn_each, 1.f / sqrtf((float)hd)};
     int64_t ctx = 0;
-    for (int b = 0; b < B; b++) ctx += bt->pos0[b] + T;
+    for (int b = 0; b < B; b++) ctx += bt->pos0[b] + bt->off[b + 1] - bt->off[b];
     parallel(attend_units, &a, B * KV, ctx * KVD * 2);
     matmul(m, m->wo[l], att, Q, y, D, D, Q, N);
     for (int n = 0; n < N; n++)
@@ -797,9 +799,10 @@ static void block(const Model *m, int l, float *hidden, const Batch *bt, int32_t
 
 static void rope_tables(const Model *m, const Batch *bt, float *tab) {
     const int hd = m->head_dim, half = hd / 2;
-    for (int n = 0; n < bt->B * bt->T; n++) {
+    for (int b = 0, n = 0; n < bt->off[bt->B]; n++) {
+        while (n == bt->off[b + 1]) b++;
         float *cs = tab + (int64_t)n * hd, *sn = cs + half;
-        int pos = bt->pos0[n / bt->T] + n % bt->T;
+        int pos = bt->pos0[b] + n - bt->off[b];
         for (int i = 0; i < half; i++) {
             float f = (float)pos * m->inv_freq[i];
             cs[i] = cosf(f);
@@ -808,18 +811,31 @@ static void rope_tables(const Model *m, const Batch *bt, float *tab) {
     }
 }
 
-/* Run B sequences of T tokens each (ids [B*T], sequence b at positions pos0[b]..) through the trunk.
+/* off[B + 1]: row b's tokens are off[b]..off[b + 1] - 1 of a call's N = off[B]: lens[b] each (at
+ * least 1, at most T), or T each when lens is NULL. */
+static void offsets(int B, int T, const int32_t *lens, int32_t *off) {
+    off[0] = 0;
+    for (int b = 0; b < B; b++) off[b + 1] = off[b] + (lens ? lens[b] : T);
+}
+
+/* Run B sequences through the trunk, sequence b's lens[b] tokens (all T when lens is NULL; at most
+ * T) at positions pos0[b].., ids [N] row after row (N their total). A row's outputs are the same
+ * bits whichever rows and lengths share the call, so a ragged call (speculative rows fed only
+ * their own drafts) equals one call per row.
  * k_cache/v_cache: layer 0's cache of sequence 0's slot; sequence b's slot is slot_stride further,
  * layer l's layer_stride further: [layer][slot][kv_head][max_len][head_dim].
- * hidden: [B*T, D] out, the trunk's output before the final norm.
- * routes: [B*T, n_moe_layers, top_k] expert ids. */
-void kiln_trunk(const Model *m, int B, int T, const int64_t *ids, const int32_t *pos0, float *k_cache, float *v_cache,
-                int64_t slot_stride, int64_t layer_stride, int max_len, float *hidden, int32_t *routes, float *scratch) {
-    const int D = m->dim, K = m->top_k, N = B * T;
+ * hidden: [N, D] out, the trunk's output before the final norm.
+ * routes: [N, n_moe_layers, top_k] expert ids. */
+void kiln_trunk(const Model *m, int B, int T, const int32_t *lens, const int64_t *ids, const int32_t *pos0,
+                float *k_cache, float *v_cache, int64_t slot_stride, int64_t layer_stride, int max_len, float *hidden,
+                int32_t *routes, float *scratch) {
+    const int D = m->dim, K = m->top_k;
+    int32_t off[B + 1];
+    offsets(B, T, lens, off);
     int n_moe = 0;
     for (int l = 0; l < m->n_layers; l++) n_moe += m->router[l] != NULL;
-    for (int n = 0; n < N; n++) weight_row(m->embed, m->wbf16, ids[n], D, hidden + (int64_t)n * D);
-    Batch bt = {B, T, max_len, pos0, k_cache, v_cache, slot_stride};
+    for (int n = 0; n < off[B]; n++) weight_row(m->embed, m->wbf16, ids[n], D, hidden + (int64_t)n * D);
+    Batch bt = {B, T, max_len, pos0, off, k_cache, v_cache, slot_stride};
     rope_tables(m, &bt, scratch + layout(m, B, T).rope);
     for (int l = 0, moe_i = 0; l < m->n_layers; l++) {
         int moe = m->router[l] != NULL;
@@ -837,6 +853,8 @@ void kiln_mtp_layer(const Model *m, int l, int B, int T, const float *h_in, cons
                     float *scratch, const uint8_t *need) {
     const int D = m->dim, N = B * T;
     const Layout s = layout(m, B, T);
+    int32_t off[B + 1];
+    offsets(B, T, NULL, off);
     float *cat = scratch + s.cat;
     for (int n = 0; n < N; n++) {
         rms_norm(h_in + (int64_t)n * D, m->hnorm[l], cat + (int64_t)n * 2 * D, D, m->eps);
@@ -845,7 +863,7 @@ void kiln_mtp_layer(const Model *m, int l, int B, int T, const float *h_in, cons
         rms_norm(e, m->enorm[l], e, D, m->eps);  /* elementwise after the sum: in place is safe */
     }
     matmul(m, m->eh_proj[l], cat, 2 * D, out, D, D, 2 * D, N);
-    Batch bt = {B, T, max_len, pos0, k_cache + l * layer_stride, v_cache + l * layer_stride, slot_stride};
+    Batch bt = {B, T, max_len, pos0, off, k_cache + l * layer_stride, v_cache + l * layer_stride, slot_stride};
     rope_tables(m, &bt, scratch + s.rope);
     block(m, l, out, &bt, NULL, 0, scratch, need);
 }

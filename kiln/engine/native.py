@@ -95,7 +95,7 @@ def build(flags: list[str] = FLAGS) -> ctypes.CDLL | None:
     lib.kiln_scratch_floats.restype = i64
     lib.kiln_scratch_floats.argtypes = [ctypes.POINTER(_Model), i32, i32]
     lib.kiln_trunk.restype = None
-    lib.kiln_trunk.argtypes = [ctypes.POINTER(_Model), i32, i32, vp, vp, vp, vp, i64, i64, i32, vp, vp, vp]
+    lib.kiln_trunk.argtypes = [ctypes.POINTER(_Model), i32, i32, vp, vp, vp, vp, vp, i64, i64, i32, vp, vp, vp]
     lib.kiln_mtp_layer.restype = None
     lib.kiln_mtp_layer.argtypes = [ctypes.POINTER(_Model), i32, i32, i32, vp, vp, vp, vp, vp, i64, i64, i32, vp, vp, vp]
     lib.kiln_head.restype = None
@@ -233,11 +233,11 @@ class NativeTrunk:
             self._scratch = torch.empty(n)
         return self._scratch.data_ptr()
 
-    def _slots(self, starts: list[int], t: int, cache, slot: int):
-        """Check a call over rows starting at positions `starts` (t tokens each) in slots slot..;
-        -> (their first positions as C int32s, the slots' key and value cache addresses)."""
+    def _slots(self, starts: list[int], t: int, cache, slot: int, lens: list[int] | None = None):
+        """Check a call over rows starting at positions `starts` (t tokens each, or lens[b]) in slots
+        slot..; -> (their first positions as C int32s, the slots' key and value cache addresses)."""
         b = len(starts)
-        end = max(starts) + t if b else 0
+        end = max(s + (lens[i] if lens else t) for i, s in enumerate(starts)) if b else 0
         if t > MAX_TOKENS or end > min(cache.max_len, self.max_len) or (b and min(starts) < 0) \
                 or not (0 <= slot and slot + b <= cache.slots):
             raise ValueError(f"positions up to {end - 1} of slots {slot}..{slot + b - 1} are outside the cache "
@@ -254,12 +254,27 @@ class NativeTrunk:
         starts[b]..+T-1 -> (hidden [B, T, D] before the final norm, routes [B, T, n_moe, k] int32 or
         None). Lists, not tensors: at a token a step, building small tensors was much of the step."""
         b, t = len(ids), len(ids[0])
-        pos0, k, v = self._slots(starts, t, cache, slot)
-        flat = (ctypes.c_int64 * (b * t))(*(i for row in ids for i in row))
-        hidden = torch.empty(b, t, self.dim)
-        routes = torch.empty(b, t, max(self.n_moe, 1), self.top_k, dtype=torch.int32)
-        self.lib.kiln_trunk(self.ref, b, t, flat, pos0, k, v, cache.k.stride(1), cache.k.stride(0), cache.max_len,
-                            hidden.data_ptr(), routes.data_ptr(), self.scratch(b, t))
+        hidden, routes = self._trunk(ids, starts, cache, slot, None)
+        return hidden.view(b, t, self.dim), (routes.view(b, t, *routes.shape[1:]) if routes is not None else None)
+
+    def trunk_ragged(self, ids: list[list[int]], starts: list[int], cache, slot: int):
+        """`trunk` with rows of their own lengths (1..MAX_TOKENS tokens each; speculative rows fed
+        only their own drafts) -> (hidden [N, D], routes [N, n_moe, k] or None), N their total, row
+        after row. Each row's outputs and cache entries are the bits a call of that row alone gives."""
+        return self._trunk(ids, starts, cache, slot, [len(row) for row in ids])
+
+    def _trunk(self, ids: list[list[int]], starts: list[int], cache, slot: int, lens: list[int] | None):
+        b, t = len(ids), max(map(len, ids))
+        if lens and min(lens) < 1:
+            raise ValueError("every row of a ragged call needs at least one token")
+        pos0, k, v = self._slots(starts, t, cache, slot, lens)
+        n = sum(lens) if lens else b * t
+        flat = (ctypes.c_int64 * n)(*(i for row in ids for i in row))
+        hidden = torch.empty(n, self.dim)
+        routes = torch.empty(n, max(self.n_moe, 1), self.top_k, dtype=torch.int32)
+        self.lib.kiln_trunk(self.ref, b, t, None if lens is None else (ctypes.c_int32 * b)(*lens), flat, pos0, k, v,
+                            cache.k.stride(1), cache.k.stride(0), cache.max_len, hidden.data_ptr(), routes.data_ptr(),
+                            self.scratch(b, t))
         return hidden, (routes if self.n_moe else None)
 
     def mtp_layer(self, k: int, hidden: torch.Tensor, ids: list[list[int]], starts: list[int], cache, slot: int,

@@ -179,6 +179,19 @@ def test_the_helper_thread_starts_only_with_a_second_cpu(cpus):
     assert int(out.stdout.strip()) == (0 if cpus == 1 else 1)
 
 
+def prefilled_pair(native, cfg, lengths: list[int]) -> tuple[KVCache, KVCache]:
+    """Two caches holding the same random prompts of these lengths, one per slot."""
+    one, many = (KVCache(cfg.num_hidden_layers, len(lengths), 64, cfg.num_key_value_heads, cfg.head_dim,
+                         torch.float32) for _ in range(2))
+    for slot, n in enumerate(lengths):
+        prompt = torch.randint(0, 512, (1, n))
+        for c in (one, many):
+            native(prompt[:, :16], torch.arange(min(n, 16))[None], c, slot)
+            if n > 16:
+                native(prompt[:, 16:], torch.arange(16, n)[None], c, slot)
+    return one, many
+
+
 @pytest.mark.parametrize("tokens", [1, 3])
 @torch.inference_mode()
 def test_a_batched_call_is_bit_identical_to_one_row_calls(tokens):
@@ -189,14 +202,7 @@ def test_a_batched_call_is_bit_identical_to_one_row_calls(tokens):
     native = NativeTrunk(model, LIB, 64)
     cfg = model.config
     rows, lengths = 5, [9, 3, 17, 1, 30]
-    one, many = (KVCache(cfg.num_hidden_layers, rows, 64, cfg.num_key_value_heads, cfg.head_dim, torch.float32)
-                 for _ in range(2))
-    for slot, n in enumerate(lengths):  # the same prefill into both caches
-        prompt = torch.randint(0, 512, (1, n))
-        for c in (one, many):
-            native(prompt[:, :16], torch.arange(min(n, 16))[None], c, slot)
-            if n > 16:
-                native(prompt[:, 16:], torch.arange(16, n)[None], c, slot)
+    one, many = prefilled_pair(native, cfg, lengths)
     ids = torch.randint(0, 512, (rows, tokens))
     pos = torch.tensor(lengths)[:, None] + torch.arange(tokens)
     singles = [native(ids[i:i + 1], pos[i:i + 1], one, i) for i in range(rows)]
@@ -214,6 +220,25 @@ def test_a_batched_call_is_bit_identical_to_one_row_calls(tokens):
         want, want_routes = fast(ids[i:i + 1], pos[i:i + 1], ref)
         torch.testing.assert_close(hidden[i:i + 1], want, atol=2e-5, rtol=1e-5)
         assert torch.equal(routes[i:i + 1].long(), want_routes)
+
+
+@torch.inference_mode()
+def test_a_ragged_call_is_bit_identical_to_one_row_calls():
+    # Rows fed only their own tokens (speculative rows with their own drafts, others their last
+    # token): one call, and every row's outputs and cache entries are its own call's, bit for bit.
+    model = tiny_model(5)[0]
+    native = NativeTrunk(model, LIB, 64)
+    lengths, tokens = [9, 3, 17, 1, 30], [3, 1, 5, 1, 2]
+    one, many = prefilled_pair(native, model.config, lengths)
+    ids = [torch.randint(0, 512, (t,)).tolist() for t in tokens]
+    singles = [native.trunk([ids[i]], [lengths[i]], one, i) for i in range(len(ids))]
+    hidden, routes = native.trunk_ragged(ids, lengths, many, 0)
+    assert hidden.shape[0] == sum(tokens)
+    assert torch.equal(hidden, torch.cat([h[0] for h, _ in singles]))
+    assert torch.equal(routes, torch.cat([r[0] for _, r in singles]))
+    assert torch.equal(one.k, many.k) and torch.equal(one.v, many.v)
+    with pytest.raises(ValueError):  # an empty row
+        native.trunk_ragged([[1], []], [0, 0], many, 0)
 
 
 @torch.inference_mode()
