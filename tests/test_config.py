@@ -123,13 +123,13 @@ def test_engine_dtype_is_float32_or_bfloat16():
         load_config(None, ["engine.dtype=fp16"])
 
 
-def test_engine_lookup_is_one_drafter_of_at_most_15_drafts():
-    assert Config().engine.lookup == 0
-    assert load_config(None, ["engine.lookup=4"]).engine.lookup == 4
+def test_engine_lookup_drafts_at_most_15_and_gives_way_to_an_mtp_drafter():
+    assert Config().engine.lookup == 4
+    assert load_config(None, ["engine.lookup=0"]).engine.lookup == 0
     with pytest.raises(ConfigError, match=r"^engine.lookup: Input should be less than or equal to 15"):
         load_config(None, ["engine.lookup=16"])
-    with pytest.raises(ConfigError, match=r"engine.lookup \(4\) and an MTP drafter .* both draft"):
-        load_config(None, ["engine.lookup=4", "rl.speculative=true"])
+    # the MTP drafter drafts where it is on (rl/worker.py, bench/run.py), so both together are valid
+    assert load_config(None, ["rl.speculative=true", "policy.speculative=true"]).engine.lookup == 4
 
 
 def test_assignment_is_validated():

@@ -267,7 +267,7 @@ def start_engine(checkpoint: str, max_batch: int, speculative: bool = False, max
     """The checkpoint's model and tokenizer in one engine (on the GPU when there is one, with `dtype`
     weights: engine.dtype), batching
     up to max_batch sequences, on a started EngineRunner; the caller closes it. Speculative: with
-    the MTP drafter; lookup: prompt-lookup drafts a step (engine.lookup). Prefix reuse (2 x
+    the MTP drafter; lookup: prompt-lookup drafts a step (engine.lookup) where it does not. Prefix reuse (2 x
     max_batch kept sequences, the drafter's cache too), so each turn of a rollout prefills only its
     new tokens. No routes: only RL's router replay reads them.
     max_len (model.context, as RL's workers): the context, when the model's own is longer. Every
@@ -288,7 +288,8 @@ def start_engine(checkpoint: str, max_batch: int, speculative: bool = False, max
         raise BenchError(f"policy.checkpoint {checkpoint!r} cannot be loaded: {e}") from None
     context = min(max_len or model.config.max_position_embeddings, model.config.max_position_embeddings)
     runner = EngineRunner(Engine(model, tok, mtp, max_batch=max_batch, max_len=context, capture_routes=False,
-                                prefix_slots=2 * max_batch, weight_dtype=getattr(torch, dtype), lookup=lookup))
+                                prefix_slots=2 * max_batch, weight_dtype=getattr(torch, dtype),
+                                lookup=0 if speculative else lookup))
     runner.start()
     return runner
 

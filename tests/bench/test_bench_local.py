@@ -34,7 +34,7 @@ def test_two_rollouts_share_one_engine_and_keep_token_data(suite, tcfg, tiny_che
     rows = read_rows(os.path.join(out, "results.jsonl"))
     assert sorted(r["task_id"] for r in rows) == sorted(os.listdir(suite)) and s["errors"] == 0
     assert {r["policy"] for r in rows} == {"local"}
-    assert s["engine"] == {"max_batch": 2, "peak_batch": 2}  # both rollouts decoded in one batch
+    assert s["engine"]["max_batch"] == s["engine"]["peak_batch"] == 2  # both rollouts decoded in one batch
     for r in rows:
         with open(os.path.join(out, r["trajectory"])) as f:
             traj = json.load(f)
@@ -49,13 +49,23 @@ def test_two_rollouts_share_one_engine_and_keep_token_data(suite, tcfg, tiny_che
 
 
 def test_engine_lookup_drafts_in_the_local_policy(suite, tcfg, tiny_checkpoint, tmp_path):
-    cfg = local_config(tcfg, tiny_checkpoint)
-    cfg.engine.lookup = 4
+    cfg = local_config(tcfg, tiny_checkpoint)  # engine.lookup: 4 by default
     cfg.policy.temperature = 0.0  # an untrained model's greedy replies repeat themselves: drafts to copy
     s = run_bench(suite, "local", passes=1, workers=2, out_dir=str(tmp_path / "bench"), config=cfg, progress=False)
     assert s["errors"] == 0
     drafts = s["engine"]["drafts"]  # the turns' tokens came through prompt-lookup verification steps
     assert drafts["steps"] > 0
+
+
+def test_the_mtp_drafter_drafts_instead_of_lookup(tiny_checkpoint):
+    from kiln.bench.run import start_engine
+
+    for speculative, lookup in ((True, 0), (False, 4)):
+        runner = start_engine(str(tiny_checkpoint), 2, speculative=speculative, lookup=4)
+        try:
+            assert (runner.engine.mtp is not None) == speculative and runner.engine.lookup == lookup
+        finally:
+            runner.close()
 
 
 def test_a_missing_checkpoint_is_a_clear_error(suite, tcfg, tmp_path):
