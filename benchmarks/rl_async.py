@@ -105,7 +105,8 @@ def main() -> None:
                                          f"rl.groups_per_step={args.groups}",
                                          f"rl.workers={args.workers}",
                                          f"rl.trainer_cpus={trainer}", f"rl.worker_cpus={workers}",
-                                         f"sandbox.state_dir={root / 'sandboxes'}", f'ray.address="{args.address}"', *args.overrides])
+                                         f"sandbox.state_dir={root / 'sandboxes'}", f'ray.address="{args.address}"',
+                                         *args.overrides])
     except ConfigError as e:
         if not args.out:
             shutil.rmtree(root, ignore_errors=True)

@@ -267,9 +267,9 @@ def start_engine(checkpoint: str, max_batch: int, speculative: bool = False, max
     """The checkpoint's model and tokenizer in one engine (on the GPU when there is one, with `dtype`
     weights: engine.dtype), batching
     up to max_batch sequences, on a started EngineRunner; the caller closes it. Speculative: with
-    the MTP drafter; lookup: prompt-lookup drafts a step (engine.lookup) where it does not. Prefix reuse (2 x
-    max_batch kept sequences, the drafter's cache too), so each turn of a rollout prefills only its
-    new tokens. No routes: only RL's router replay reads them.
+    the MTP drafter; lookup: prompt-lookup drafts a step (engine.lookup) where the MTP does not.
+    Prefix reuse (2 x max_batch kept sequences, the drafter's cache too), so each turn of a rollout
+    prefills only its new tokens. No routes: only RL's router replay reads them.
     max_len (model.context, as RL's workers): the context, when the model's own is longer. Every
     sequence and kept prefix gets a KV cache of that many positions: at SmolLM2's 8,192 the 12
     slots of 4 workers took 4.5 GB, at Gemma 3's 32,768 they would take 14 GB."""

@@ -5,10 +5,11 @@
  * each a dispatch; this does the same math (kiln/model/moe.py; also Qwen3 dense and Llama, whose
  * layers are the same block without experts or q/k norms) in one call, straight from the model's
  * own parameter memory. A call takes B sequences (cache slots) of up to T tokens each (T each, or
- * each row its own count) and streams every weight once for all their tokens: each weight row is loaded from memory once and its dot products
- * with every input vector are computed before the next row (up to four together from registers
- * with AVX-512; one at a time, the row staying in L1, where there are fewer registers), and the MoE
- * groups the call's tokens by expert, so an expert's weights are read once whichever rows chose it.
+ * each row its own count) and streams every weight once for all their tokens: each weight row is
+ * loaded from memory once and its dot products with every input vector are computed before the next
+ * row (up to four together from registers with AVX-512; one at a time, the row staying in L1, where
+ * there are fewer registers), and the MoE groups the call's tokens by expert, so an expert's
+ * weights are read once whichever rows chose it.
  *
  * Every output keeps one fixed accumulation order, whatever else shares the call: a dot product
  * is the same sequence of vector FMAs whether its row is paired with one input or four, a token's
@@ -631,8 +632,8 @@ static void attend_units(void *c, int lo, int hi) {
     float *qs = a->scratch + (lo ? a->each : 0), *e = qs + round16((int64_t)most * hd), *sums = e + most * ld;
     float *pad = sums + round16(most);
     for (int u = lo; u < hi; u++) {
-        const int b = u / a->n_kv, g = u % a->n_kv, pos0 = a->pos0[b], first = a->off[b], T = a->off[b + 1] - first;
-        const int NQ = T * G, nmax = pos0 + T;
+        const int b = u / a->n_kv, g = u % a->n_kv, pos0 = a->pos0[b], first = a->off[b];
+        const int T = a->off[b + 1] - first, NQ = T * G, nmax = pos0 + T;
         const float *kh = a->kc + b * a->slot_stride + (int64_t)g * a->max_len * hd;
         const float *vh = a->vc + b * a->slot_stride + (int64_t)g * a->max_len * hd;
         for (int t = 0; t < T; t++)
