@@ -11,11 +11,15 @@ overlap and stragglers do not stall the step. The prompts are generated once and
     .venv/bin/python benchmarks/rl_async.py --checkpoint runs/tiny/sft/checkpoint [--steps 4] [key=value ...]
 
 Placement (`--placement`): by default "split", the trainer on the first half of this machine's CPUs
-and the workers (with their sandboxes) on the rest, as the recipe runs them on separate hardware.
-Synchronous RL then idles the trainer's CPUs while rollouts run and the workers' CPUs while it
-trains, which is the cost asynchrony removes. "shared" lets every process use every CPU: on a
-machine this small the OS gives an idle role's cores to the busy one, so the two arms mostly
-time-share the same cores and asynchrony has little left to reclaim.
+and the workers on the rest, as the recipe runs them on separate hardware. Synchronous RL then
+idles the trainer's CPUs while rollouts run and the workers' CPUs while it trains, which is the
+cost asynchrony removes. "shared" lets every process use every CPU: on a machine this small the OS
+gives an idle role's cores to the busy one, so the two arms mostly time-share the same cores and
+asynchrony has little left to reclaim. The recipe's environments are a service of their own:
+`--sandboxes all` (the default) lets the sandboxes run on any CPU (sandbox.cpus), taking what the
+trainer and decoding leave; `workers` keeps them on the workers' CPUs. One worker per worker CPU
+by default, each with enough groups in flight (rl.worker_groups) for a step's groups: a second
+engine on the same core only adds a second copy of the weights to its caches.
 
 samples/s counts rollouts over each arm's wall time (launch to the final checkpoint). Both arms
 share one Ray, started before the first (or the one at --address / $RAY_ADDRESS), so its start-up
@@ -83,9 +87,12 @@ def main() -> None:
                     "the 32 samples the issue measured, before the tiny preset's groups of 8)")
     ap.add_argument("--groups", type=int, default=2, help="groups a step (the tiny preset now trains 4)")
     ap.add_argument("--lag", type=int, default=2, help="the async arm's rl.max_lag")
-    ap.add_argument("--workers", type=int, default=2)
+    ap.add_argument("--workers", type=int, default=None, help="rollout workers (default: one per CPU they may use, "
+                    "each with rl.worker_groups enough for a step's groups)")
     ap.add_argument("--placement", choices=["split", "shared"], default="split",
                     help="split: trainer and workers on disjoint halves of the CPUs; shared: all on all")
+    ap.add_argument("--sandboxes", choices=["all", "workers"], default="all",
+                    help="all: sandboxes on any CPU; workers: on the workers' CPUs only")
     ap.add_argument("--out", default=None, help="keep both runs here (default: a temporary folder)")
     ap.add_argument("--address", default="", help="a Ray cluster to run on (default: $RAY_ADDRESS, else a local Ray)")
     ap.add_argument("--seeds", type=int, default=1, help="pairs of runs to pool, run.seed counting up from the config's")
@@ -100,18 +107,24 @@ def main() -> None:
         ap.error("--placement split needs at least 2 CPUs; use --placement shared")
     half = (len(cpus) + 1) // 2
     trainer, workers = (cpus[:half], cpus[half:]) if args.placement == "split" else ([], [])
+    n_workers = len(workers or cpus) if args.workers is None else args.workers
+    if n_workers < 1:
+        ap.error("--workers must be at least 1")
     try:
         base = load_config(args.config, [f"rl.steps={args.steps}", f"rl.group_size={args.group_size}",
-                                         f"rl.groups_per_step={args.groups}",
-                                         f"rl.workers={args.workers}",
+                                         f"rl.groups_per_step={args.groups}", f"rl.workers={n_workers}",
+                                         f"rl.worker_groups={min(8, -(-args.groups // n_workers))}",
                                          f"rl.trainer_cpus={trainer}", f"rl.worker_cpus={workers}",
+                                         f"sandbox.cpus={cpus if args.sandboxes == 'all' else []}",
                                          f"sandbox.state_dir={root / 'sandboxes'}", f'ray.address="{args.address}"',
                                          *args.overrides])
     except ConfigError as e:
         if not args.out:
             shutil.rmtree(root, ignore_errors=True)
         ap.error(str(e))
-    print(f"placement {args.placement}: trainer on CPUs {trainer or cpus}, workers on {workers or cpus}", flush=True)
+    print(f"placement {args.placement}: trainer on CPUs {trainer or cpus}, {base.rl.workers} worker(s) with "
+          f"{base.rl.worker_groups} group(s) in flight each on {workers or cpus}, sandboxes on "
+          f"{base.sandbox.cpus or workers or cpus}", flush=True)
     tasks = prepare_tasks(base, root / "shared")
     rl = base.rl
     cluster.connect(base.ray, min_cpus=rl.trainer_resources.get("CPU", 0) + rl.workers * rl.worker_resources.get("CPU", 0))
@@ -137,7 +150,8 @@ def main() -> None:
           f"sync_trainer_idle_fraction={res['sync']['idle_fraction']:.3f} "
           f"delta_fraction={res['async']['delta_fraction']:.4f} samples={res['async']['samples'] // args.seeds} "
           f"sync_samples_per_s={res['sync']['samples_per_s']:.4f} async_samples_per_s={res['async']['samples_per_s']:.4f} "
-          f"placement={args.placement} cpus={len(cpus)} seeds={args.seeds}")
+          f"placement={args.placement} sandboxes={args.sandboxes} workers={base.rl.workers} cpus={len(cpus)} "
+          f"seeds={args.seeds}")
     if not args.out:
         shutil.rmtree(root, ignore_errors=True)
 

@@ -62,6 +62,9 @@ class SandboxConfig(Section):
     env_cache: str = ""  # built environments; empty = $KILN_ENV_CACHE, else ~/.cache/kiln/envs
     pool_size: int = Field(2, ge=0)  # warm sandboxes kept ready
     fork_pytest: bool = True  # `python -m pytest` runs in a fork with pytest imported (sandbox/pytest_fork.py)
+    # CPU ids every sandbox process runs on; [] = those of the process that starts it. The recipe runs
+    # environments as their own service, apart from inference: RL's workers may keep their cores for decoding.
+    cpus: list[int] = []
     diff_exclude: list[str] = [".git", "__pycache__", ".pytest_cache", "*.pyc"]
 
 

@@ -65,7 +65,7 @@ def run_rl(cfg, checkpoint: str, rl_dir: str, progress: bool = True) -> dict:
     rl, run = cfg.rl, Path(rl_dir).resolve()
     if not (cfg.ray.address or os.environ.get("RAY_ADDRESS")):  # one machine: its CPU ids, checked up front
         try:
-            placement.check(rl.trainer_cpus, rl.worker_cpus)
+            placement.check(rl.trainer_cpus, rl.worker_cpus, cfg.sandbox.cpus)
         except ValueError as e:
             raise RLError(str(e)) from None
     if not (Path(checkpoint) / "config.json").is_file():

@@ -5,23 +5,25 @@ the other works and asynchrony reclaims it. Processes that share every core of o
 that: the OS hands an idle role's cores to the busy one. rl.trainer_cpus / rl.worker_cpus pin
 each role (its threads and every sandbox it starts inherit the mask); empty means all CPUs.
 Ray's CPU resource (rl.trainer_resources) only counts; this is what keeps roles off each other's
-cores. Each actor pins itself, so the ids are those of the node it runs on.
+cores. Each actor pins itself, so the ids are those of the node it runs on. sandbox.cpus moves
+the workers' sandboxes elsewhere (the recipe's environments are a service apart from inference).
 """
 from __future__ import annotations
 
 import os
 
 
-def check(trainer_cpus: list[int], worker_cpus: list[int]) -> None:
+def check(trainer_cpus: list[int], worker_cpus: list[int], sandbox_cpus: list[int] = ()) -> None:
     """Raise ValueError naming what is wrong with the placement, before any process starts."""
     have = sorted(os.sched_getaffinity(0))
-    for key, cpus in (("trainer_cpus", trainer_cpus), ("worker_cpus", worker_cpus)):
+    for key, cpus in (("rl.trainer_cpus", trainer_cpus), ("rl.worker_cpus", worker_cpus),
+                      ("sandbox.cpus", sandbox_cpus)):
         missing = sorted(set(cpus) - set(have))
         if missing:
-            raise ValueError(f"rl.{key} names CPU(s) {missing}, but this process may run on {have}: "
+            raise ValueError(f"{key} names CPU(s) {missing}, but this process may run on {have}: "
                              f"use ids from that list, or [] for all of them")
         if len(set(cpus)) != len(cpus):
-            raise ValueError(f"rl.{key} lists a CPU twice: {cpus}")
+            raise ValueError(f"{key} lists a CPU twice: {list(cpus)}")
 
 
 def pin_checked(key: str, cpus: list[int], threads: int | None = None) -> int:

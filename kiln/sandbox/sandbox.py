@@ -106,7 +106,7 @@ class Sandbox:
     def _start(cls, snapshot: Snapshot, cfg, copy_from: str | None = None, build: bool = False) -> "Sandbox":
         svc = get_service(snapshot.state_dir)
         spec = {k: getattr(cfg, k) for k in ("workdir", "memory_mb", "max_procs", "file_size_mb", "disk_mb", "tmp_mb",
-                                             "rootfs", "uid", "gid")}
+                                             "rootfs", "uid", "gid", "cpus")}
         # A built root brings its own system and Python; a build step's root must hold only its own changes.
         host = not cfg.rootfs
         spec["binds"] = [] if build else bind_paths(list(cfg.ro_binds), [sys.prefix, sys.base_prefix] if host else [], host)

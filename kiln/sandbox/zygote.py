@@ -171,6 +171,14 @@ def _keeper(ctl: socket.socket, init_end: socket.socket, ready_w: int, box: str,
         ctl.close()
         ns.prctl(ns.PR_SET_PDEATHSIG, signal.SIGKILL)  # zygote gone -> sandbox gone
         cgroups.join(cg, os.getpid())
+        if spec.get("cpus"):
+            try:
+                os.sched_setaffinity(0, spec["cpus"])
+            except OSError as e:
+                os.write(ready_w, json.dumps({"error": f"sandbox.cpus {spec['cpus']}: {e.strerror} (this machine's "
+                                              f"CPUs are 0-{os.cpu_count() - 1}; [] runs sandboxes where their starter "
+                                              "runs)"}).encode() + b"\n")
+                return
         # A build step keeps the host's network (apt-get fetches packages); nothing else ever does.
         ns.unshare(ns.CLONE_NEWNS | ns.CLONE_NEWPID | (0 if spec.get("build") else ns.CLONE_NEWNET))
         pid = os.fork()

@@ -53,6 +53,8 @@ def test_check_names_the_bad_cpu_and_what_is_allowed():
         placement.check([], [9999])
     with pytest.raises(ValueError, match="trainer_cpus lists a CPU twice"):
         placement.check([have[0], have[0]], [])
+    with pytest.raises(ValueError, match=r"sandbox.cpus names CPU\(s\) \[9999\]"):
+        placement.check([], [], [9999])
     placement.check([have[0]], [have[-1]])  # a valid split passes
 
 

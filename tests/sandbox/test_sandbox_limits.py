@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from kiln.sandbox import create
+from kiln.sandbox import SandboxError, create
 
 
 def _host_procs_matching(marker: str) -> list[int]:
@@ -135,3 +135,15 @@ def test_many_timeouts_leave_no_processes(box, limit_s):
         assert box.exec("sleep 105", timeout_s=limit_s).timed_out
     time.sleep(0.2)
     assert not _host_procs_matching("sleep 105")
+
+
+def test_cpus_pin_every_process_of_the_sandbox(base, cfg):
+    last = max(os.sched_getaffinity(0))
+    sb = create(base, cfg.model_copy(update={"cpus": [last]}))
+    try:  # a command's child, as pytest's workers would be
+        r = sb.exec("sh -c 'grep Cpus_allowed_list /proc/self/status'")
+        assert r.exit_code == 0 and r.output.split()[-1] == str(last), r.output
+    finally:
+        sb.close()
+    with pytest.raises(SandboxError, match=r"sandbox.cpus \[9999\].*this machine's CPUs are 0-"):
+        create(base, cfg.model_copy(update={"cpus": [9999]}))
