@@ -8,7 +8,7 @@ that version, the trainer waits for the last of them, and the workers wait for t
 The asynchronous arm admits rollouts up to `--lag` versions ahead, so rollouts and training
 overlap and stragglers do not stall the step. The prompts are generated once and shared.
 
-    .venv/bin/python benchmarks/rl_async.py --checkpoint runs/tiny/sft/checkpoint [--steps 4] [key=value ...]
+    .venv/bin/python benchmarks/rl_async.py --checkpoint runs/tiny/sft/checkpoint [--steps 8] [key=value ...]
 
 Placement (`--placement`): by default "split", the trainer on the first half of this machine's CPUs
 and the workers on the rest, as the recipe runs them on separate hardware. Synchronous RL then
@@ -18,8 +18,16 @@ gives an idle role's cores to the busy one, so the two arms mostly time-share th
 asynchrony has little left to reclaim. The recipe's environments are a service of their own:
 `--sandboxes all` (the default) lets the sandboxes run on any CPU (sandbox.cpus), taking what the
 trainer and decoding leave; `workers` keeps them on the workers' CPUs. One worker per worker CPU
-by default, each with enough groups in flight (rl.worker_groups) for a step's groups: a second
-engine on the same core only adds a second copy of the weights to its caches.
+by default (a second engine on the same core only adds a second copy of the weights to its caches),
+each with room (rl.worker_groups) for a step's groups and one more: asynchronously, the next
+step's group then decodes beside a step's last, longest rollouts instead of after them
+(synchronously, admission leaves that room empty).
+
+32 samples a pair (the issue's), as 8 steps of one group of 4 by default: a run's first step
+waits for its first rollouts and its last trains with none left to overlap, and at 4 steps of 2
+groups that fill and drain took a quarter of the asynchronous arm's wall (15 s waiting for the
+first groups and 14 s training the last step with every rollout done, of 125 s), where a real run
+has hundreds of steps (docs/architecture.md, RL, Throughput).
 
 samples/s counts rollouts over each arm's wall time (launch to the final checkpoint). Both arms
 share one Ray, started before the first (or the one at --address / $RAY_ADDRESS), so its start-up
@@ -82,13 +90,13 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--checkpoint", default="runs/tiny/sft/checkpoint", help="the SFT model both arms train")
     ap.add_argument("--config", default=None, help="a TOML config or preset (default: the tiny defaults)")
-    ap.add_argument("--steps", type=int, default=4)
-    ap.add_argument("--group-size", type=int, default=4, help="rollouts per group (with --groups 2 and 4 steps: "
-                    "the 32 samples the issue measured, before the tiny preset's groups of 8)")
-    ap.add_argument("--groups", type=int, default=2, help="groups a step (the tiny preset now trains 4)")
+    ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--group-size", type=int, default=4, help="rollouts per group (with --groups 1 and 8 steps: "
+                    "the 32 samples the issue measured)")
+    ap.add_argument("--groups", type=int, default=1, help="groups a step (the tiny preset trains 4)")
     ap.add_argument("--lag", type=int, default=2, help="the async arm's rl.max_lag")
     ap.add_argument("--workers", type=int, default=None, help="rollout workers (default: one per CPU they may use, "
-                    "each with rl.worker_groups enough for a step's groups)")
+                    "each with rl.worker_groups enough for a step's groups and one more)")
     ap.add_argument("--placement", choices=["split", "shared"], default="split",
                     help="split: trainer and workers on disjoint halves of the CPUs; shared: all on all")
     ap.add_argument("--sandboxes", choices=["all", "workers"], default="all",
@@ -113,7 +121,7 @@ def main() -> None:
     try:
         base = load_config(args.config, [f"rl.steps={args.steps}", f"rl.group_size={args.group_size}",
                                          f"rl.groups_per_step={args.groups}", f"rl.workers={n_workers}",
-                                         f"rl.worker_groups={min(8, -(-args.groups // n_workers))}",
+                                         f"rl.worker_groups={min(8, -(-args.groups // n_workers) + 1)}",
                                          f"rl.trainer_cpus={trainer}", f"rl.worker_cpus={workers}",
                                          f"sandbox.cpus={cpus if args.sandboxes == 'all' else []}",
                                          f"sandbox.state_dir={root / 'sandboxes'}", f'ray.address="{args.address}"',
