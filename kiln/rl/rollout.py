@@ -1,5 +1,5 @@
 """One group: G rollouts of one prompt, each in a fork of the same task sandbox, graded, with
-their reward axes; written to disk before anyone is told it exists.
+their reward axes; the driver writes it to disk (keep_group) before the orchestrator is told it exists.
 
 The G agents run on threads and share the worker's engine (its runner batches their turns), so
 a group decodes G sequences at once. The harness, tools and grader are the ones `kiln bench` and
@@ -26,12 +26,13 @@ def task_kind(task) -> str:
     return f"{task.category}/{task.difficulty}"
 
 
-def run_group(task, group_id: int, cfg, runner, out_dir: str, seed: int) -> str:
-    """Roll out `task` cfg.rl.group_size times; returns the path of the group's JSON file."""
+def run_group(task, group_id: int, cfg, runner, seed: int) -> dict[str, dict]:
+    """Roll out `task` cfg.rl.group_size times; -> the group's files as plain data: "<i>.json", each
+    rollout's trajectory, and "group.json" naming them (what keep_group writes, what group_from reads).
+    Nothing goes to this node's disk: the driver keeps the only copy (Ray ships the data pickled, and
+    a JSON round trip here cost the worker's engine thread, whose GIL it held, ~0.5 s a group)."""
     rl, G = cfg.rl, cfg.rl.group_size
-    gdir = os.path.join(out_dir, f"{group_id:06d}")
-    os.makedirs(gdir, exist_ok=True)
-    paths = [os.path.join(gdir, f"{i}.json") for i in range(G)]
+    trajs: list[Trajectory | None] = [None] * G
     rewards: list[dict | None] = [None] * G
     errors: list[BaseException] = []
     snap = Snapshot.from_dir(task.repo_dir, cfg.sandbox.state_dir, label=f"rl:{task.id}")
@@ -43,14 +44,14 @@ def run_group(task, group_id: int, cfg, runner, out_dir: str, seed: int) -> str:
                 try:
                     params = SamplingParams(temperature=rl.temperature, seed=seed * 1000 + i)
                     policy = LocalPolicy(runner.engine, runner.engine.tok, params, runner=runner, timeout_s=rl.timeout_s)
-                    # Saved once, graded (a crashed group is rolled out again, so no per-turn saves).
+                    # Graded once it ends (a crashed group is rolled out again, so no per-turn saves).
                     traj = Agent(policy, forks[i], cfg.harness).run(task.prompt, task_id=task.id)
                     grades = grade(forks[i], task, traj)
                     grades["correctness"].pop("log_tail", None)
                     rewards[i] = reward_axes(grades, rl)
                     traj.rewards = dict(rewards[i])
                     traj.metadata.update(grades=grades, rl={"group": group_id, "seed": seed * 1000 + i})
-                    traj.save(paths[i])
+                    trajs[i] = traj
                 except BaseException as e:  # noqa: BLE001 - re-raised below, on the worker's thread
                     errors.append(e)
 
@@ -67,14 +68,11 @@ def run_group(task, group_id: int, cfg, runner, out_dir: str, seed: int) -> str:
         snap.drop()
     if errors:
         raise errors[0]
-    trajs = [Trajectory.load(p) for p in paths]
     cost = sum(t.effort.turns + t.effort.thinking_tokens / 100 for t in trajs) / G
-    path = os.path.join(gdir, "group.json")
-    with open(path + ".tmp", "w") as f:
-        json.dump({"id": group_id, "task_id": task.id, "kind": task_kind(task), "trajectories": paths,
-                   "rewards": rewards, "cost": cost}, f)
-    os.replace(path + ".tmp", path)
-    return path
+    files = {f"{i}.json": t.to_dict() for i, t in enumerate(trajs)}
+    files["group.json"] = {"id": group_id, "task_id": task.id, "kind": task_kind(task), "trajectories": list(files),
+                           "rewards": rewards, "cost": cost}
+    return files
 
 
 def keep_group(files: dict[str, dict], out_dir: str, group_id: int) -> str:
@@ -84,14 +82,23 @@ def keep_group(files: dict[str, dict], out_dir: str, group_id: int) -> str:
     os.makedirs(gdir, exist_ok=True)
     group = files["group.json"]
     names = [os.path.basename(p) for p in group["trajectories"]]
+    # json.dumps, not json.dump: dump encodes in Python (one-shot C encoding is only in dumps), ~5x slower.
     for name in names:
         with open(os.path.join(gdir, name), "w") as f:
-            json.dump(files[name], f)
+            f.write(json.dumps(files[name]))
     path = os.path.join(gdir, "group.json")
     with open(path + ".tmp", "w") as f:
-        json.dump({**group, "trajectories": [os.path.join(gdir, n) for n in names]}, f)
+        f.write(json.dumps({**group, "trajectories": [os.path.join(gdir, n) for n in names]}))
     os.replace(path + ".tmp", path)
     return path
+
+
+def group_from(files: dict[str, dict], started_version: int = -1) -> Group:
+    """The Group of the files a worker returned (keep_group's input), without reading them back from disk."""
+    g = files["group.json"]
+    return Group(g["id"], g["task_id"], g["kind"],
+                 [Trajectory.from_dict(files[os.path.basename(p)]) for p in g["trajectories"]], g["rewards"],
+                 started_version)
 
 
 def load_group(path: str, started_version: int = -1) -> Group:

@@ -9,16 +9,12 @@ that produced it). A corrupt version is never loaded; the worker keeps decoding 
 `rollout` runs in a "rollouts" concurrency group (the driver keeps rl.worker_groups calls in
 flight: that many groups at once, their rollouts decoding in the same engine batches); `ready`,
 `version` and `close` in a "control" group of their own, so a health check never queues behind a
-long rollout. A group's files are written to a folder of this node and returned whole: the driver
-keeps them (no shared filesystem).
+long rollout. A group's files are returned whole, as data: the driver keeps them (no shared filesystem).
 """
 from __future__ import annotations
 
-import json
 import os
-import shutil
 import sys
-import tempfile
 import threading
 import time
 
@@ -105,20 +101,11 @@ class RolloutWorker:
         """Roll out one group; -> its files ({name: JSON}) and the version the engine is on now."""
         from .rollout import run_group
 
-        out = tempfile.mkdtemp(prefix="kiln-group-")
-        try:
-            path = run_group(self.tasks[job["task_id"]], job["group"], self.cfg, self.runner, out,
-                             seed=self.cfg.run.seed + job["group"])
-            gdir = os.path.dirname(path)
-            files = {}
-            for name in os.listdir(gdir):
-                with open(os.path.join(gdir, name)) as f:
-                    files[name] = json.load(f)
-            stats = self.engine.spec_stats  # this worker's drafts so far (rl.speculative)
-            return {"name": self.name, "version": self.engine.version, "files": files,
-                    "drafts": {"steps": stats.steps, "accepted": sum(stats.accepted)}}
-        finally:
-            shutil.rmtree(out, ignore_errors=True)
+        files = run_group(self.tasks[job["task_id"]], job["group"], self.cfg, self.runner,
+                          seed=self.cfg.run.seed + job["group"])
+        stats = self.engine.spec_stats  # this worker's drafts so far (rl.speculative)
+        return {"name": self.name, "version": self.engine.version, "files": files,
+                "drafts": {"steps": stats.steps, "accepted": sum(stats.accepted)}}
 
     @ray.method(concurrency_group="control")
     def close(self) -> None:

@@ -165,6 +165,40 @@ def test_a_corrupt_delta_is_never_loaded_and_a_version_exists_only_with_its_mani
     _same(got[1], states[4])
 
 
+def _as_zlib(store: WeightStore, version: int) -> None:
+    """Rewrite a stored version as kiln wrote it before zstd: zlib, and no codec in the manifest."""
+    import hashlib
+    import zlib
+
+    import zstandard
+
+    man = store.manifest(version)
+    blob, parts, offset = store.backend.get(man["blob"]), [], 0
+    for t in man["tensors"].values():
+        data = zlib.compress(zstandard.ZstdDecompressor().decompress(blob[t["offset"]:t["offset"] + t["length"]]), 1)
+        t.update(offset=offset, length=len(data), data_sha256=hashlib.sha256(data).hexdigest())
+        parts.append(data)
+        offset += len(data)
+    del man["codec"]
+    store.backend.put(man["blob"], b"".join(parts))
+    store.backend.put(f"manifests/{version:012d}.json", json.dumps(man).encode())
+
+
+def test_a_store_written_with_zlib_still_loads_and_an_unknown_codec_is_named(tmp_path):
+    states = [want for _, want in _trainer(3)]
+    store = WeightStore(str(tmp_path), anchor_every=100)
+    for v in range(2):
+        store.publish(v, states[v])
+        _as_zlib(store, v)  # an anchor and a delta from before zstd
+    assert store.publish(2, states[2])["kind"] == "delta"  # a zstd delta on top of them
+    for v in range(3):
+        _same(store.load(v), states[v])
+    man = store.manifest(2)
+    store.backend.put("manifests/000000000002.json", json.dumps({**man, "codec": "brotli"}).encode())
+    with pytest.raises(StoreError, match="version 2 is compressed with 'brotli'.*update kiln"):
+        store.load(2)
+
+
 def test_gc_keeps_what_consumers_need(url):
     states = [want for _, want in _trainer(9)]
     store = WeightStore(url, anchor_every=4)  # anchors at 0, 4, 8

@@ -341,3 +341,28 @@ def test_a_bf16_sampler_holds_the_published_bf16_weights_bit_for_bit_and_their_d
         for k, v in stored.items():
             assert v.dtype == held[k].dtype == torch.bfloat16
             assert torch.equal(held[k].view(torch.int16), v.view(torch.int16)), k
+
+
+def test_a_group_the_driver_hands_on_from_memory_batches_as_its_copy_on_disk_does(setup, tmp_path):
+    """run_group's files as a worker returns them, built into the trainer's Group directly (group_from)
+    and through the driver's copy on disk (keep_group, then load_group): the same rows, bit for bit."""
+    import copy
+    from dataclasses import fields
+
+    from kiln.rl.rollout import group_from, keep_group, load_group
+
+    trajs = copy.deepcopy(setup[1])  # the fixture's are shared with the other tests
+    trajs[1].tools = [ToolRecord(turn=0, call_id="c0", name="bash", arguments={"cmd": "ls"}, ok=False,
+                                 duration_s=0.1, output_chars=3)]  # a failed call: the `failed` rows differ
+    files = {f"{i}.json": t.to_dict() for i, t in enumerate(trajs)}
+    files["group.json"] = {"id": 7, "task_id": "t", "kind": "toy/1", "trajectories": list(files),
+                           "rewards": [{"correctness": float(i % 2)} for i in range(len(trajs))], "cost": 2.0}
+    direct = group_from(files, started_version=3)
+    disk = load_group(keep_group(files, str(tmp_path), 7), started_version=3)
+    assert (direct.id, direct.kind, direct.rewards, direct.started_version) == (7, "toy/1", disk.rewards, 3)
+    a, b = ([s for i, t in enumerate(g.trajectories) for s in sequences(t, i)] for g in (direct, disk))
+    a, b = collate(a), collate(b)
+    for f in fields(a):
+        x, y = getattr(a, f.name), getattr(b, f.name)
+        assert (x is None and y is None) or torch.equal(x, y), f.name
+    assert a.routes is not None and a.failed.any()
