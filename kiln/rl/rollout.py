@@ -18,6 +18,7 @@ from kiln.harness.trajectory import Trajectory
 from kiln.policies.local import LocalPolicy
 from kiln.sandbox import Snapshot, create
 
+from .batch import drop_superseded_routes
 from .rewards import reward_axes
 from .trainer import Group
 
@@ -46,6 +47,7 @@ def run_group(task, group_id: int, cfg, runner, seed: int) -> dict[str, dict]:
                     policy = LocalPolicy(runner.engine, runner.engine.tok, params, runner=runner, timeout_s=rl.timeout_s)
                     # Graded once it ends (a crashed group is rolled out again, so no per-turn saves).
                     traj = Agent(policy, forks[i], cfg.harness).run(task.prompt, task_id=task.id)
+                    drop_superseded_routes(traj)
                     grades = grade(forks[i], task, traj)
                     grades["correctness"].pop("log_tail", None)
                     rewards[i] = reward_axes(grades, rl)

@@ -366,3 +366,22 @@ def test_a_group_the_driver_hands_on_from_memory_batches_as_its_copy_on_disk_doe
         x, y = getattr(a, f.name), getattr(b, f.name)
         assert (x is None and y is None) or torch.equal(x, y), f.name
     assert a.routes is not None and a.failed.any()
+
+
+def test_a_rollout_keeps_only_the_routes_its_sequences_replay(setup):
+    """drop_superseded_routes: the routes of a turn its next turn continues go, those of a chain's last
+    turn stay, and the trainer's rows are bit for bit what they were with every turn's routes."""
+    import copy
+
+    from kiln.rl.batch import drop_superseded_routes
+
+    a, b = copy.deepcopy(setup[1][:2])
+    # one segment: a's two chained turns, then b's first turn, which does not continue them (a new row)
+    traj = Trajectory(task_id="t", segments=[Segment(turns=[*a.turns, b.turns[0]]), Segment(turns=[b.turns[1]])])
+    before = collate(sequences(copy.deepcopy(traj)))
+    drop_superseded_routes(traj)
+    assert [t.routes is None for s in traj.segments for t in s.turns] == [True, False, False, False]
+    after = collate(sequences(traj))
+    assert before.ids.shape[0] == 3
+    for name in ("ids", "mask", "sampler_logp", "version", "routes"):
+        assert torch.equal(getattr(before, name), getattr(after, name)), name
