@@ -31,7 +31,7 @@ def run_group(task, group_id: int, cfg, runner, seed: int) -> dict[str, dict]:
     """Roll out `task` cfg.rl.group_size times; -> the group's files as plain data: "<i>.json", each
     rollout's trajectory, and "group.json" naming them (what keep_group writes, what group_from reads).
     Nothing goes to this node's disk: the driver keeps the only copy (Ray ships the data pickled, and
-    a JSON round trip here cost the worker's engine thread, whose GIL it held, ~0.5 s a group)."""
+    the JSON round trip this did cost the worker 0.3-0.8 s a group, holding the GIL its engine thread needs)."""
     rl, G = cfg.rl, cfg.rl.group_size
     trajs: list[Trajectory | None] = [None] * G
     rewards: list[dict | None] = [None] * G
