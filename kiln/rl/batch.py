@@ -76,8 +76,9 @@ def drop_superseded_routes(traj) -> None:
     lists made unpickling a group 0.1-0.3 s, paid by the driver and again by the trainer."""
     for seg in traj.segments:
         for turn, nxt in zip(seg.turns, seg.turns[1:]):
-            if turn.routes is not None and nxt.prompt_ids is not None and turn.prompt_ids is not None \
-                    and turn.completion_ids is not None and _extends(nxt.prompt_ids, turn.prompt_ids + turn.completion_ids):
+            # A turn with routes came from a local policy, so it has its prompt and completion ids.
+            if turn.routes is not None and nxt.prompt_ids is not None \
+                    and _extends(nxt.prompt_ids, turn.prompt_ids + turn.completion_ids):
                 turn.routes = None
 
 
