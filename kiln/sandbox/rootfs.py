@@ -37,6 +37,9 @@ def bind_paths(extra: list[str], python_prefixes: list[str], system: bool = True
     """Host paths to expose read-only, minus ones already inside another bind. `system`: the host's
     system directories too (not in a built root, which has its own)."""
     paths = [p for p in (*(SYSTEM_DIRS if system else ()), *python_prefixes, *extra) if os.path.lexists(p)]
+    # A symlink is recreated inside, not bound: its target must be there too, or a venv reached through
+    # a symlink (`.venv -> elsewhere`) dangles and `python` on PATH silently becomes another interpreter.
+    paths += [os.path.realpath(p) for p in paths if os.path.islink(p) and os.path.exists(p)]
     keep: list[str] = []
     for p in sorted({os.path.normpath(p) for p in paths}):
         if not any(p == k or p.startswith(k.rstrip("/") + "/") for k in keep if not os.path.islink(k)):

@@ -124,6 +124,23 @@ def test_python_and_test_packages_usable_read_only(box):
     assert r.exit_code != 0 and "Read-only file system" in r.output
 
 
+def test_a_bind_that_is_a_symlink_reaches_its_target(base, cfg, tmp_path):
+    # `.venv -> /elsewhere/venv`: the link is recreated inside and its target bound, so the venv's
+    # python (what sandbox PATH names first) is the one that runs, not the next python on PATH.
+    real = tmp_path / "elsewhere" / "venv"
+    real.mkdir(parents=True)
+    (real / "marker.txt").write_text("through the link")
+    link = tmp_path / "project" / ".venv"
+    link.parent.mkdir()
+    link.symlink_to(real)
+    sb = create(base, cfg.model_copy(update={"ro_binds": [str(link)]}))
+    try:
+        assert sb.exec(f"cat {link}/marker.txt").output == "through the link"
+        assert "Read-only" in sb.exec(f"touch {link}/new").output
+    finally:
+        sb.close()
+
+
 def test_read_only_binds_under_tmp_stay_visible(base, cfg, tmp_path):
     # A virtual environment (or any extra bind) living under the host's /tmp must not be hidden
     # by the sandbox's private /tmp (CI clones the project under /tmp).
