@@ -37,14 +37,24 @@ def bind_paths(extra: list[str], python_prefixes: list[str], system: bool = True
     """Host paths to expose read-only, minus ones already inside another bind. `system`: the host's
     system directories too (not in a built root, which has its own)."""
     paths = [p for p in (*(SYSTEM_DIRS if system else ()), *python_prefixes, *extra) if os.path.lexists(p)]
-    # A symlink is recreated inside, not bound: its target must be there too, or a venv reached through
-    # a symlink (`.venv -> elsewhere`) dangles and `python` on PATH silently becomes another interpreter.
-    paths += [os.path.realpath(p) for p in paths if os.path.islink(p) and os.path.exists(p)]
+    # A symlink is recreated inside, not bound: every link it goes through and its target must be there
+    # too, or a venv reached through one (`.venv -> elsewhere`) dangles and `python` on PATH silently
+    # becomes another interpreter.
+    paths += [q for p in paths if os.path.exists(p) for q in _link_chain(p)]
     keep: list[str] = []
     for p in sorted({os.path.normpath(p) for p in paths}):
         if not any(p == k or p.startswith(k.rstrip("/") + "/") for k in keep if not os.path.islink(k)):
             keep.append(p)
     return keep
+
+
+def _link_chain(path: str) -> list[str]:
+    """The paths a symlink at `path` leads through to its target ([] for no symlink)."""
+    out = []
+    while os.path.islink(path) and len(out) < 40:  # the kernel's own limit on links followed
+        path = os.path.normpath(os.path.join(os.path.dirname(path), os.readlink(path)))
+        out.append(path)
+    return out
 
 
 def _bind_ro(src: str, dst: str) -> None:

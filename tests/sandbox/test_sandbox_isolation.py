@@ -125,14 +125,17 @@ def test_python_and_test_packages_usable_read_only(box):
 
 
 def test_a_bind_that_is_a_symlink_reaches_its_target(base, cfg, tmp_path):
-    # `.venv -> /elsewhere/venv`: the link is recreated inside and its target bound, so the venv's
-    # python (what sandbox PATH names first) is the one that runs, not the next python on PATH.
+    # `.venv -> ../shared/venv -> /elsewhere/venv`: the links are recreated inside and the target
+    # bound, so the venv's python (what sandbox PATH names first) is the one that runs, not the next
+    # python on PATH.
     real = tmp_path / "elsewhere" / "venv"
     real.mkdir(parents=True)
     (real / "marker.txt").write_text("through the link")
+    (tmp_path / "shared").mkdir()
+    (tmp_path / "shared" / "venv").symlink_to(real)
     link = tmp_path / "project" / ".venv"
     link.parent.mkdir()
-    link.symlink_to(real)
+    link.symlink_to("../shared/venv")
     sb = create(base, cfg.model_copy(update={"ro_binds": [str(link)]}))
     try:
         assert sb.exec(f"cat {link}/marker.txt").output == "through the link"
