@@ -49,9 +49,10 @@ def bind_paths(extra: list[str], python_prefixes: list[str], system: bool = True
 
 
 def _link_chain(path: str) -> list[str]:
-    """The paths a symlink at `path` leads through to its target ([] for no symlink)."""
+    """The paths a symlink at `path` leads through to its target ([] for no symlink). Called only on
+    paths that exist, so the chain ends (a loop of links does not exist)."""
     out = []
-    while os.path.islink(path) and len(out) < 40:  # the kernel's own limit on links followed
+    while os.path.islink(path):
         path = os.path.normpath(os.path.join(os.path.dirname(path), os.readlink(path)))
         out.append(path)
     return out
