@@ -149,6 +149,7 @@ class Engine:
         self._ids = itertools.count()
         self.spec_stats = SpecStats(mtp.depth if mtp is not None else lookup)
         self.wake = threading.Event()  # set when work arrives (serve's loop sleeps on it)
+        self._applied = threading.Condition()  # notified when new weights take effect
 
     # ---- called from any thread -------------------------------------------------------------
     def submit(self, prompt_ids: list[int], params: SamplingParams | None = None, stream: bool = False) -> Request:
@@ -178,6 +179,12 @@ class Engine:
         with self._lock:
             self._pending = (state, version, mtp_state)
         self.wake.set()
+
+    def wait_version(self, than: int, timeout: float) -> int:
+        """The weights version once it is no longer `than` (newer weights applied), or after `timeout` s."""
+        with self._applied:
+            self._applied.wait_for(lambda: self.version != than, timeout)
+            return self.version
 
     # ---- the engine thread ------------------------------------------------------------------
     @property
@@ -235,7 +242,9 @@ class Engine:
                 trunk.refresh()
         if self.prefix is not None:  # older entries now serve their own conversations at most
             self.prefix.version = version
-        self.version = version
+        with self._applied:
+            self.version = version
+            self._applied.notify_all()
 
     def _round(self) -> None:
         """A bf16 sampler's parameters hold bf16 values (exact in fp32, so torch computes on them as

@@ -143,7 +143,6 @@ class Driver:
         self.version = dict.fromkeys(self.roles[1:], 0)
         self.drafts = {}  # per worker, its engine's speculative steps and drafts accepted so far
         self.calls: dict = {}  # ObjectRef -> (role, kind, payload, since)
-        self.asked: dict[str, float] = {}  # a worker's last version query
         self.metrics = _metrics(run)
         self.idle, self.idle_since = 0.0, None
         self.handed, self.step_wait = [], 0.0  # the groups the trainer holds toward its next step, its wait for them
@@ -212,9 +211,10 @@ class Driver:
             job = self.orch.next_job(self.info[role]["name"], self.version[role])
             if job is not None:
                 self._call(role, "rollout", job, payload={**job, "worker": self.info[role]["name"]})
-            elif not self._busy(role, "version") and now - self.asked.get(role, 0) > 1.0:
-                self.asked[role] = now  # refused for lag: has the poller brought newer weights?
-                self._call(role, "version")
+            elif not self._busy(role, "version"):
+                # Refused for lag: the worker answers once its poller has applied newer weights (or
+                # after a second), so the group it may then start is dispatched within milliseconds.
+                self._call(role, "version", self.version[role])
         if self.info["trainer"] is not None and not self._busy("trainer", "train") and not self.orch.finished():
             # Each group as soon as it is done: the trainer runs its forward and backward while the
             # step's other groups are still rolling out, and steps once it holds groups_per_step.

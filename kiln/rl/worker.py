@@ -23,6 +23,7 @@ import ray
 from kiln import cluster
 
 POLL_S = 0.1
+VERSION_WAIT_S = 1.0  # the longest `version(known)` waits for newer weights before it answers
 
 
 # Ray fixes concurrency groups at the class: "rollouts" has room for rl.worker_groups' upper bound, and the
@@ -93,8 +94,10 @@ class RolloutWorker:
         return {**self.where, "name": self.name, "version": self.engine.version}
 
     @ray.method(concurrency_group="control")
-    def version(self) -> int:
-        return self.engine.version
+    def version(self, known: int | None = None) -> int:
+        """The engine's weights version; given the one the caller knows, it answers once newer weights
+        are applied (or after VERSION_WAIT_S), so a group held back for lag starts as soon as they are."""
+        return self.engine.version if known is None else self.engine.wait_version(known, VERSION_WAIT_S)
 
     @ray.method(concurrency_group="rollouts")
     def rollout(self, job: dict) -> dict:

@@ -10,6 +10,7 @@ import torch
 
 from kiln.engine import Engine, SamplingParams
 from kiln.engine.kvcache import KVCache
+from kiln.engine.runner import EngineRunner
 from kiln.model.tokenizer import load_tokenizer
 from tests.threads import one_thread  # noqa: F401 - autouse: one torch thread in this module
 from tests.tiny_model import (
@@ -276,6 +277,27 @@ def test_weight_swap_from_another_thread_while_a_loop_steps():
         v = r.wait(1).versions
         assert len(v) == 150 and v[0] == 0 and v[-1] == 7 and set(v) == {0, 7}
         assert v == sorted(v)  # one switch, never back
+
+
+def test_wait_version_answers_once_new_weights_apply_or_at_its_timeout():
+    model = tiny_model(0)[0]
+    engine = Engine(model)
+    t = time.monotonic()
+    assert engine.wait_version(0, 0.2) == 0 and time.monotonic() - t >= 0.2  # nothing new: at the timeout
+    assert engine.wait_version(5, 60) == 0  # already not the version the caller knows: at once
+    runner = EngineRunner(engine)
+    runner.start()
+    got: list[int] = []
+    waiter = threading.Thread(target=lambda: got.append(engine.wait_version(0, 60)), daemon=True)
+    try:
+        waiter.start()
+        waiter.join(0.3)
+        assert waiter.is_alive() and not got  # the same weights: it keeps waiting
+        engine.update_weights(perturbed(model), version=1)
+        waiter.join(30)  # long before its own 60 s timeout: the runner's step applied them
+        assert not waiter.is_alive() and got == [1]
+    finally:
+        runner.close()
 
 
 def test_weight_update_with_unknown_tensor_is_rejected(model):
