@@ -257,7 +257,8 @@ class Driver:
             if self.info[role] is not None:
                 self._lost(role, f"raised {_first_line(e)}", restart=role == "trainer")
             return
-        self.progress = time.monotonic()
+        if kind != "version":  # a worker's version answer, every second while it is refused, is no progress
+            self.progress = time.monotonic()
         if kind == "ready":
             self.info[role] = value
             where = cluster.node_of(value["node_id"])
@@ -341,8 +342,8 @@ class Driver:
         for role, kind, payload, since in self.calls.values():
             info = self.info[role]
             where = cluster.node_of(info["node_id"]) if info else "a node not yet known"
-            what = {"ready": "to start", "rollout": f"group {payload and payload['group']}",
-                    "train": f"training on groups {payload}", "version": "its version"}[kind]
+            what = ("to start" if kind == "ready" else f"group {payload['group']}" if kind == "rollout"
+                    else f"training on groups {payload}" if kind == "train" else "newer weights")
             out.append(f"the {role} on {where} ({what}, {now - since:.0f} s)")
         out += [f"the {role} to come back after a restart" for role in self.ready_at]
         if self.info["trainer"] is not None and not self._busy("trainer", "train"):

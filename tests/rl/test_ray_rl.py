@@ -112,6 +112,44 @@ def _pid_of_running_worker(rl_dir) -> int | None:
     return int(running[0]["worker"].rsplit(".", 1)[1]) if running else None
 
 
+def test_a_trainer_that_hangs_mid_run_is_an_error_naming_it_after_timeout_s(tmp_path, tiny_checkpoint, ray_cluster,
+                                                                           rl_dirs):
+    """The trainer's process is stopped (SIGSTOP) once it has trained a step. The workers, refused
+    new groups, keep answering their version queries; that is no progress, so the run ends with an
+    error naming the trainer rl.timeout_s later instead of waiting forever."""
+    import ray
+
+    rl_dir = rl_dirs(tmp_path)
+    errors: list[BaseException] = []
+
+    def run():
+        try:
+            run_rl(_cfg(tmp_path, steps=3, timeout_s=20), str(tiny_checkpoint), str(rl_dir), progress=False)
+        except BaseException as e:  # noqa: BLE001 - asserted on below
+            errors.append(e)
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    deadline, pid = time.monotonic() + 240, None
+    try:
+        while pid is None and time.monotonic() < deadline and t.is_alive():
+            time.sleep(0.2)
+            if (rl_dir / "metrics.jsonl").exists() and (rl_dir / "metrics.jsonl").read_text().strip():
+                pid = ray.get(ray.get_actor(actor_name("trainer", rl_dir)).ready.remote(), timeout=60)["pid"]
+                os.kill(pid, signal.SIGSTOP)
+        assert pid is not None, "the trainer never trained a step"
+        t.join(120)  # 20 s without progress, and the actors' stop
+        assert not t.is_alive(), "the run kept waiting on a stopped trainer"
+    finally:
+        if pid is not None:
+            try:
+                os.kill(pid, signal.SIGCONT)
+            except ProcessLookupError:
+                pass
+    assert len(errors) == 1 and isinstance(errors[0], RLError), errors
+    assert "no role started, no group finished and no step trained for 20 s" in str(errors[0])
+    assert "the trainer on " in str(errors[0]) and "training on groups" in str(errors[0])
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("victim", ["worker", "trainer"])
 def test_a_role_killed_mid_run_is_restarted_and_nothing_is_lost_or_repeated(tmp_path, tiny_checkpoint, victim,
