@@ -129,6 +129,9 @@ class EngineConfig(Section):
     # The sampler's weights: bfloat16 rounds the fp32 checkpoint's (the RL trainer publishes them so),
     # activations stay fp32. float32 by measurement: bf16 gave the same RL reward and minutes (docs).
     dtype: Literal["float32", "bfloat16"] = "float32"
+    # The KV cache: bfloat16 keeps keys and values rounded (half the bytes a decoding step reads from
+    # a long context; attention's arithmetic stays fp32). float32 until measured in RL (docs: "Engine").
+    kv_dtype: Literal["float32", "bfloat16"] = "float32"
     # Prompt-lookup drafts a decoding step (engine/lookup.py: tokens copied from the sequence, verified
     # exactly, so samples keep their distribution) in RL's workers and the bench's local policy; 0 = off.
     # 4 by measurement: 0.83x the RL minutes of 0 on the tiny preset (docs: "Prompt lookup"). Where an

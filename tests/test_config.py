@@ -117,8 +117,9 @@ def test_literal_error_lists_allowed_values():
 
 
 def test_engine_dtype_is_float32_or_bfloat16():
-    assert Config().engine.dtype == "float32"
+    assert Config().engine.dtype == "float32" and Config().engine.kv_dtype == "float32"
     assert load_config(None, ["engine.dtype=bfloat16"]).engine.dtype == "bfloat16"
+    assert load_config(None, ["engine.kv_dtype=bfloat16"]).engine.kv_dtype == "bfloat16"
     with pytest.raises(ConfigError, match=r"^engine.dtype: Input should be 'float32' or 'bfloat16' \(got 'fp16'\)$"):
         load_config(None, ["engine.dtype=fp16"])
 

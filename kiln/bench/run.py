@@ -180,7 +180,7 @@ def run_bench(suite_dir: str, policy_name: str, passes: int = 1, workers: int = 
     start, errors, consecutive, aborted = time.monotonic(), 0, 0, ""
     try:  # loaded only when there is work: a resumed run with nothing left needs no model
         runner = (start_engine(config.policy.checkpoint, workers, config.policy.speculative, config.model.context,
-                               config.engine.dtype, config.engine.lookup)
+                               config.engine.dtype, config.engine.lookup, config.engine.kv_dtype)
                   if policy_name == "local" and todo else None)
     except BaseException:
         log.close()
@@ -263,9 +263,9 @@ def run_bench(suite_dir: str, policy_name: str, passes: int = 1, workers: int = 
 
 
 def start_engine(checkpoint: str, max_batch: int, speculative: bool = False, max_len: int | None = None,
-                 dtype: str = "float32", lookup: int = 0):
+                 dtype: str = "float32", lookup: int = 0, kv_dtype: str = "float32"):
     """The checkpoint's model and tokenizer in one engine (on the GPU when there is one, with `dtype`
-    weights: engine.dtype), batching
+    weights: engine.dtype, and a `kv_dtype` KV cache: engine.kv_dtype), batching
     up to max_batch sequences, on a started EngineRunner; the caller closes it. Speculative: with
     the MTP drafter; lookup: prompt-lookup drafts a step (engine.lookup) where the MTP does not.
     Prefix reuse (2 x max_batch kept sequences, the drafter's cache too), so each turn of a rollout
@@ -289,6 +289,7 @@ def start_engine(checkpoint: str, max_batch: int, speculative: bool = False, max
     context = min(max_len or model.config.max_position_embeddings, model.config.max_position_embeddings)
     runner = EngineRunner(Engine(model, tok, mtp, max_batch=max_batch, max_len=context, capture_routes=False,
                                 prefix_slots=2 * max_batch, weight_dtype=getattr(torch, dtype),
+                                kv_dtype=torch.bfloat16 if kv_dtype == "bfloat16" else None,
                                 lookup=0 if speculative else lookup))
     runner.start()
     return runner

@@ -100,7 +100,7 @@ class Engine:
     def __init__(self, model, tokenizer=None, mtp=None, max_batch: int = 8, max_len: int | None = None,
                  version: int = 0, capture_routes: bool = True, native: bool = True, prefix_slots: int = 0,
                  weight_dtype: torch.dtype = torch.float32, draft_vocab: int | None = None,
-                 carry_turns: bool = False, lookup: int = 0):
+                 carry_turns: bool = False, lookup: int = 0, kv_dtype: torch.dtype | None = None):
         """lookup: prompt-lookup drafts a step (lookup.py), without an MTP drafter; 0 = none.
         prefix_slots: finished sequences kept for prefix reuse (prefix.py); 0 = none. carry_turns:
         after new weights a kept sequence still serves its own conversation's next turn (prefix.py).
@@ -109,7 +109,10 @@ class Engine:
         output never depends on it, only the share of drafts accepted.
         weight_dtype bfloat16 (an fp32 model): a bf16 sampler. The model's (and MTP's) parameters are
         rounded to bf16 in place, here and at every weight update; the native step reads bf16 copies
-        of the weight matrices, torch (prefills) the rounded fp32 values, activations stay fp32."""
+        of the weight matrices, torch (prefills) the rounded fp32 values, activations stay fp32.
+        kv_dtype bfloat16 (an fp32 model): keys and values are cached rounded to bf16, half the bytes
+        a decoding step reads from a long context; attention's arithmetic stays fp32. Default: the
+        model's dtype."""
         cfg = model.config
         if not 0 <= lookup < MAX_TOKENS or (lookup and mtp is not None):
             raise ValueError(f"lookup must be 0-{MAX_TOKENS - 1} drafts, and 0 with an MTP drafter (got {lookup})")
@@ -118,6 +121,9 @@ class Engine:
         p = next(model.parameters())
         if weight_dtype == torch.bfloat16 and p.dtype != torch.float32:
             raise ValueError(f"a bf16 sampler keeps fp32 activations: give an fp32 model (this one is {p.dtype})")
+        kv_dtype = kv_dtype or p.dtype
+        if kv_dtype != p.dtype and (kv_dtype != torch.bfloat16 or p.dtype != torch.float32):
+            raise ValueError(f"kv_dtype {kv_dtype} with a {p.dtype} model: only an fp32 model may cache in bfloat16")
         self.model, self.tok, self.mtp, self.lookup = model, tokenizer, mtp, lookup
         self.version, self.capture_routes = version, capture_routes
         self.max_batch = max_batch
@@ -125,9 +131,9 @@ class Engine:
         self.device, self.dtype, self.weight_dtype = p.device, p.dtype, weight_dtype
         self._round()
         self.cache = KVCache(cfg.num_hidden_layers, max_batch, self.max_len, cfg.num_key_value_heads,
-                             cfg.head_dim, self.dtype, self.device)
+                             cfg.head_dim, kv_dtype, self.device)
         self.mtp_cache = None if mtp is None else KVCache(
-            mtp.depth, max_batch, self.max_len, cfg.num_key_value_heads, cfg.head_dim, self.dtype, self.device)
+            mtp.depth, max_batch, self.max_len, cfg.num_key_value_heads, cfg.head_dim, kv_dtype, self.device)
         self.prefix = PrefixCache(prefix_slots, self.cache, drafter=self.mtp_cache, version=version,
                                   carry_turns=carry_turns) if prefix_slots > 0 else None
         self.default_stop_ids = _stop_ids(tokenizer, cfg)

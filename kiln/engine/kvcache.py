@@ -53,9 +53,11 @@ class KVCache:
         return self._windows[window]
 
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor):
-        """Write k/v [B, H, T, hd] at the prepared positions; return the slots' keys and values."""
+        """Write k/v [B, H, T, hd] at the prepared positions; return the slots' keys and values (in
+        k's dtype: a bf16 cache stores them rounded and hands them back widened)."""
         s, e = self._start, self._start + self._count
         kc, vc = self.k[layer, s:e], self.v[layer, s:e]
+        dtype, k, v = k.dtype, k.to(kc.dtype), v.to(kc.dtype)
         if self._count == 1:  # one sequence (prefill): its positions are one run, a slice write
             p0 = int(self._pos[0, 0])
             kc[:, :, p0:p0 + k.shape[2]] = k
@@ -64,7 +66,8 @@ class KVCache:
             rows = torch.arange(self._count, device=k.device)[:, None]
             kc[rows, :, self._pos] = k.transpose(1, 2)
             vc[rows, :, self._pos] = v.transpose(1, 2)
-        return kc[:, :, : self._ctx], vc[:, :, : self._ctx]
+        kc, vc = kc[:, :, : self._ctx], vc[:, :, : self._ctx]
+        return (kc, vc) if kc.dtype == dtype else (kc.to(dtype), vc.to(dtype))
 
     def move(self, src: int, dst: int, length: int) -> None:
         """Copy slot src's first `length` positions into slot dst (compaction after a finish)."""

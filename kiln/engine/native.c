@@ -99,6 +99,23 @@ INLINE float weight_at(const void *w, int64_t i, const int BF) {
     return f;
 }
 
+/* The KV cache holds fp32 or (BF) bf16 entries: element i's address. */
+INLINE void *kv_at(const void *base, int64_t i, const int BF) { return (char *)base + i * (BF ? 2 : 4); }
+
+/* n floats into the cache, rounded to bf16 to nearest even as torch's .to(bfloat16) does (finite values). */
+static void store_kv(void *dst, const float *src, int n, int bf) {
+    if (!bf) {
+        memcpy(dst, src, (size_t)n * sizeof(float));
+        return;
+    }
+    uint16_t *d = dst;
+    for (int i = 0; i < n; i++) {
+        uint32_t u;
+        memcpy(&u, src + i, sizeof u);
+        d[i] = (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+    }
+}
+
 /* The address of element i of a weight matrix. */
 INLINE const void *weight_ptr(const void *w, int64_t i, int bf) {
     return (const char *)w + i * (bf ? 2 : 4);
@@ -494,8 +511,9 @@ static Layout layout(const Model *m, int B, int T) {
     s.route = at, at += round16(3 * N * K);      /* chosen experts (int32), weights, gathered slots (int32) */
     s.rope = at, at += round16(N * m->head_dim); /* per token: cos then sin of each frequency */
     s.attn_each = round16(queries * m->head_dim) + queries * round16(m->max_tokens + 16) + round16(queries)
-                  + 16 * m->head_dim;
-    s.attn = at, at += 2 * s.attn_each;          /* per thread: gathered queries, then their scores */
+                  + 16 * m->head_dim + round16((int64_t)m->max_tokens * m->head_dim);
+    /* per thread: gathered queries, their scores and sums, a block of keys, a head's values widened */
+    s.attn = at, at += 2 * s.attn_each;
     s.cat = at, at += round16(N * 2 * D);        /* MTP: the normed hidden state and embedding */
     s.total = at;
     return s;
@@ -508,25 +526,26 @@ int64_t kiln_scratch_floats(const Model *m, int B, int T) { return layout(m, B, 
 typedef struct {
     int T, hd, group, n_heads, max_len, n_kv, max_tokens; /* T: the most tokens of any row */
     const int32_t *pos0, *off;
-    const float *q, *kc, *vc; /* q [N, H*hd]; this layer's cache for sequence 0 */
+    const float *q;
+    const void *kc, *vc; /* q [N, H*hd]; this layer's cache for sequence 0, fp32 or (kvbf) bf16 */
     int64_t slot_stride;
     float *att, *scratch; /* att [N, H*hd] */
     int64_t each;
     float scale;
+    int kvbf;
 } Attn;
 
 /* acc over positions p < n of e[i][p] * v_p for NB queries at once (C 16-float chunks a head), then
  * divided by each query's sum. Per query the order is p = 0, 1, ... whatever NB is. Entries past a
  * query's own context are exactly 0 (adding 0 * v leaves a sum of positive terms unchanged). */
-INLINE void attend_out(const int NB, const int C, const float *e, int64_t ld, const float *vh, int n,
+INLINE void attend_out(const int NB, const int C, const int BF, const float *e, int64_t ld, const void *vh, int n,
                        const float *sums, float *const *outs) {
     vf acc[4][8 * PARTS];
     for (int i = 0; i < NB; i++)
         for (int c = 0; c < C * PARTS; c++) acc[i][c] = (vf){0};
     for (int p = 0; p < n; p++) {
-        const float *vp = vh + (int64_t)p * C * 16;
         vf vv[8 * PARTS];
-        for (int c = 0; c < C * PARTS; c++) vv[c] = loadv(vp + VW * c);
+        for (int c = 0; c < C * PARTS; c++) vv[c] = loadw(vh, (int64_t)p * C * 16 + VW * c, BF);
         for (int i = 0; i < NB; i++) {
             float w = e[i * ld + p];
             for (int c = 0; c < C * PARTS; c++) acc[i][c] += w * vv[c];
@@ -536,10 +555,11 @@ INLINE void attend_out(const int NB, const int C, const float *e, int64_t ld, co
         for (int c = 0; c < C * PARTS; c++) storev(outs[i] + VW * c, acc[i][c] / sums[i]);
 }
 
-static void attend_out_any(int nb, int hd, const float *e, int64_t ld, const float *vh, int n, const float *sums,
-                           float *const *outs) {
-    switch (hd % 16 == 0 && hd <= 128 ? nb * 16 + hd / 16 : 0) {
-#define CASE(NB, C) case NB * 16 + C: attend_out(NB, C, e, ld, vh, n, sums, outs); return;
+static void attend_out_any(int nb, int hd, int bf, const float *e, int64_t ld, const void *vh, int n,
+                           const float *sums, float *const *outs) {
+    switch (hd % 16 == 0 && hd <= 128 ? (nb * 16 + hd / 16) * 2 + bf : 0) {
+#define CASE(NB, C) case (NB * 16 + C) * 2: attend_out(NB, C, 0, e, ld, vh, n, sums, outs); return; \
+                    case (NB * 16 + C) * 2 + 1: attend_out(NB, C, 1, e, ld, vh, n, sums, outs); return;
     CASE(1, 1) CASE(1, 2) CASE(1, 4) CASE(1, 8) CASE(2, 1) CASE(2, 2) CASE(2, 4) CASE(2, 8)
     CASE(3, 1) CASE(3, 2) CASE(3, 4) CASE(3, 8) CASE(4, 1) CASE(4, 2) CASE(4, 4) CASE(4, 8)
 #undef CASE
@@ -550,7 +570,7 @@ static void attend_out_any(int nb, int hd, const float *e, int64_t ld, const flo
         for (int d = 0; d < hd; d++) o[d] = 0.f;
         for (int p = 0; p < n; p++) {
             float w = e[i * ld + p];
-            for (int d = 0; d < hd; d++) o[d] += w * vh[(int64_t)p * hd + d];
+            for (int d = 0; d < hd; d++) o[d] += w * weight_at(vh, (int64_t)p * hd + d, bf);
         }
         for (int d = 0; d < hd; d++) o[d] /= sums[i];
     }
@@ -604,15 +624,22 @@ INLINE void scores16(const int C, const vf *q, const float *k, int hd, float sca
 #endif
 }
 
-/* e[i * ld + p] = scale * (q_i . k_p) for the NQ queries qs [NQ, hd] and keys p < n of kh; the last
- * block of 16 is read from a zero-padded copy (pad: 16 * hd floats). */
-INLINE void scores_all(const int C, const float *qs, int NQ, const float *kh, int n, int hd, float scale, float *e,
-                       int64_t ld, float *pad) {
+/* e[i * ld + p] = scale * (q_i . k_p) for the NQ queries qs [NQ, hd] and keys p < n of kh (fp32 or
+ * (BF) bf16). A block of 16 keys is read in place (fp32) or from an fp32 copy in pad (16 * hd
+ * floats): bf16 keys widened once for all the queries (exact, so a score's bits do not depend on
+ * it), and the last block zero-padded. */
+INLINE void scores_all(const int C, const int BF, const float *qs, int NQ, const void *kh, int n, int hd, float scale,
+                       float *e, int64_t ld, float *pad) {
     for (int p0 = 0; p0 < n; p0 += 16) {
-        const float *k = kh + (int64_t)p0 * hd;
-        if (p0 + 16 > n) {
-            memcpy(pad, k, (size_t)(n - p0) * hd * sizeof(float));
-            memset(pad + (int64_t)(n - p0) * hd, 0, (size_t)(p0 + 16 - n) * hd * sizeof(float));
+        const void *src = kv_at(kh, (int64_t)p0 * hd, BF);
+        const float *k = src;
+        const int64_t have = (int64_t)(p0 + 16 > n ? n - p0 : 16) * hd;
+        if (BF || have < 16 * hd) {
+            if (BF)
+                for (int64_t i = 0; i < have; i += VW) storev(pad + i, loadw(src, i, 1));
+            else
+                memcpy(pad, src, (size_t)have * sizeof(float));
+            memset(pad + have, 0, (size_t)(16 * hd - have) * sizeof(float));
             k = pad;
         }
         for (int i = 0; i < NQ; i++) {
@@ -630,22 +657,29 @@ static void attend_units(void *c, int lo, int hi) {
     const int hd = a->hd, G = a->group, Q = a->n_heads * hd, most = a->T * G;
     const int64_t ld = round16(a->max_tokens + 16);
     float *qs = a->scratch + (lo ? a->each : 0), *e = qs + round16((int64_t)most * hd), *sums = e + most * ld;
-    float *pad = sums + round16(most);
+    float *pad = sums + round16(most), *widened = pad + 16 * hd;
     for (int u = lo; u < hi; u++) {
         const int b = u / a->n_kv, g = u % a->n_kv, pos0 = a->pos0[b], first = a->off[b];
         const int T = a->off[b + 1] - first, NQ = T * G, nmax = pos0 + T;
-        const float *kh = a->kc + b * a->slot_stride + (int64_t)g * a->max_len * hd;
-        const float *vh = a->vc + b * a->slot_stride + (int64_t)g * a->max_len * hd;
+        const int64_t at = b * a->slot_stride + (int64_t)g * a->max_len * hd;
+        const void *kh = kv_at(a->kc, at, a->kvbf), *vh = kv_at(a->vc, at, a->kvbf);
         for (int t = 0; t < T; t++)
             memcpy(qs + (int64_t)t * G * hd, a->q + ((int64_t)first + t) * Q + (int64_t)g * G * hd,
                    (size_t)G * hd * sizeof(float));
         switch (hd % 16 == 0 && hd <= 128 ? hd / 16 : 0) {
-        case 1: scores_all(1, qs, NQ, kh, nmax, hd, a->scale, e, ld, pad); break;
-        case 2: scores_all(2, qs, NQ, kh, nmax, hd, a->scale, e, ld, pad); break;
-        case 4: scores_all(4, qs, NQ, kh, nmax, hd, a->scale, e, ld, pad); break;
-        case 8: scores_all(8, qs, NQ, kh, nmax, hd, a->scale, e, ld, pad); break;
+#define SCORES(C) (a->kvbf ? scores_all(C, 1, qs, NQ, kh, nmax, hd, a->scale, e, ld, pad) \
+                           : scores_all(C, 0, qs, NQ, kh, nmax, hd, a->scale, e, ld, pad))
+        case 1: SCORES(1); break;
+        case 2: SCORES(2); break;
+        case 4: SCORES(4); break;
+        case 8: SCORES(8); break;
+#undef SCORES
         default:  /* a head size the vector cases do not cover */
-            for (int p = 0; p < nmax; p++) dots(kh + (int64_t)p * hd, qs, hd, NQ, hd, e + p, ld);
+            for (int p = 0; p < nmax; p++) {
+                const void *kp = kv_at(kh, (int64_t)p * hd, a->kvbf);
+                if (a->kvbf) dots_bf16(kp, qs, hd, NQ, hd, e + p, ld);
+                else dots(kp, qs, hd, NQ, hd, e + p, ld);
+            }
             for (int i = 0; i < NQ; i++)
                 for (int p = 0; p < nmax; p++) e[i * ld + p] *= a->scale;
         }
@@ -670,6 +704,12 @@ static void attend_units(void *c, int lo, int hi) {
             sums[i] = hsum(acc);
             for (int p = padded; p < nmax; p++) s[p] = 0.f;
         }
+        /* bf16 values read by more than one pass: widened once (exact) */
+        int bf = a->kvbf;
+        if (bf && NQ > 4 && hd % 16 == 0) {
+            for (int64_t i = 0; i < (int64_t)nmax * hd; i += VW) storev(widened + i, loadw(vh, i, 1));
+            vh = widened, bf = 0;
+        }
         for (int i0 = 0; i0 < NQ; i0 += 4) {
             int nb = NQ - i0 < 4 ? NQ - i0 : 4;
             float *outs[4];
@@ -677,7 +717,7 @@ static void attend_units(void *c, int lo, int hi) {
                 int t = (i0 + i) / G, h = g * G + (i0 + i) % G;
                 outs[i] = a->att + ((int64_t)first + t) * Q + (int64_t)h * hd;
             }
-            attend_out_any(nb, hd, e + i0 * ld, ld, vh, pos0 + (i0 + nb - 1) / G + 1, sums + i0, outs);
+            attend_out_any(nb, hd, bf, e + i0 * ld, ld, vh, pos0 + (i0 + nb - 1) / G + 1, sums + i0, outs);
         }
     }
 }
@@ -686,8 +726,9 @@ static void attend_units(void *c, int lo, int hi) {
 typedef struct {
     int B, T, max_len;     /* T: the most tokens of any row */
     const int32_t *pos0, *off; /* row b: tokens off[b]..off[b + 1] - 1 at positions pos0[b].. */
-    float *kc, *vc; /* this layer's cache, slot of sequence 0 */
+    void *kc, *vc; /* this layer's cache, slot of sequence 0 */
     int64_t slot_stride;
+    int bf;         /* the cache holds bf16 (else fp32) */
 } Batch;
 
 /* Decoder layer l over the batch's N = off[B] tokens, in place on hidden [N, D]. routes (may be
@@ -716,17 +757,17 @@ static void block(const Model *m, int l, float *hidden, const Batch *bt, int32_t
             if (m->q_norm[l]) rms_norm(qj, m->q_norm[l], qj, hd, m->eps);  /* NULL: none (Llama) */
             rope(qj, hd, cs, sn);
         }
-        float *kc = bt->kc + b * bt->slot_stride, *vc = bt->vc + b * bt->slot_stride;
         for (int j = 0; j < KV; j++) {
             float *kj = k + (int64_t)n * KVD + j * hd;
             if (m->k_norm[l]) rms_norm(kj, m->k_norm[l], kj, hd, m->eps);
             rope(kj, hd, cs, sn);
-            memcpy(kc + ((int64_t)j * bt->max_len + pos) * hd, kj, hd * sizeof(float));
-            memcpy(vc + ((int64_t)j * bt->max_len + pos) * hd, v + (int64_t)n * KVD + j * hd, hd * sizeof(float));
+            const int64_t at = b * bt->slot_stride + ((int64_t)j * bt->max_len + pos) * hd;
+            store_kv(kv_at(bt->kc, at, bt->bf), kj, hd, bt->bf);
+            store_kv(kv_at(bt->vc, at, bt->bf), v + (int64_t)n * KVD + j * hd, hd, bt->bf);
         }
     }
     Attn a = {bt->T, hd, H / KV, H, bt->max_len, KV, m->max_tokens, bt->pos0, bt->off, q, bt->kc, bt->vc,
-              bt->slot_stride, att, scratch + s.attn, s.attn_each, 1.f / sqrtf((float)hd)};
+              bt->slot_stride, att, scratch + s.attn, s.attn_each, 1.f / sqrtf((float)hd), bt->bf};
     int64_t ctx = 0;
     for (int b = 0; b < B; b++) ctx += bt->pos0[b] + bt->off[b + 1] - bt->off[b];
     parallel(attend_units, &a, B * KV, ctx * KVD * 2);
@@ -824,24 +865,25 @@ static void offsets(int B, int T, const int32_t *lens, int32_t *off) {
  * bits whichever rows and lengths share the call, so a ragged call (speculative rows fed only
  * their own drafts) equals one call per row.
  * k_cache/v_cache: layer 0's cache of sequence 0's slot; sequence b's slot is slot_stride further,
- * layer l's layer_stride further: [layer][slot][kv_head][max_len][head_dim].
+ * layer l's layer_stride further: [layer][slot][kv_head][max_len][head_dim], in elements: fp32, or
+ * bf16 when kv_bf16 (entries rounded to nearest even as written, widened exactly as read).
  * hidden: [N, D] out, the trunk's output before the final norm.
  * routes: [N, n_moe_layers, top_k] expert ids. */
 void kiln_trunk(const Model *m, int B, int T, const int32_t *lens, const int64_t *ids, const int32_t *pos0,
-                float *k_cache, float *v_cache, int64_t slot_stride, int64_t layer_stride, int max_len, float *hidden,
-                int32_t *routes, float *scratch) {
+                void *k_cache, void *v_cache, int64_t slot_stride, int64_t layer_stride, int max_len, int kv_bf16,
+                float *hidden, int32_t *routes, float *scratch) {
     const int D = m->dim, K = m->top_k;
     int32_t off[B + 1];
     offsets(B, T, lens, off);
     int n_moe = 0;
     for (int l = 0; l < m->n_layers; l++) n_moe += m->router[l] != NULL;
     for (int n = 0; n < off[B]; n++) weight_row(m->embed, m->wbf16, ids[n], D, hidden + (int64_t)n * D);
-    Batch bt = {B, T, max_len, pos0, off, k_cache, v_cache, slot_stride};
+    Batch bt = {B, T, max_len, pos0, off, k_cache, v_cache, slot_stride, kv_bf16};
     rope_tables(m, &bt, scratch + layout(m, B, T).rope);
     for (int l = 0, moe_i = 0; l < m->n_layers; l++) {
         int moe = m->router[l] != NULL;
-        bt.kc = k_cache + l * layer_stride;
-        bt.vc = v_cache + l * layer_stride;
+        bt.kc = kv_at(k_cache, l * layer_stride, kv_bf16);
+        bt.vc = kv_at(v_cache, l * layer_stride, kv_bf16);
         block(m, l, hidden, &bt, moe ? routes + moe_i * K : NULL, n_moe * K, scratch, NULL);
         moe_i += moe;
     }
@@ -850,8 +892,8 @@ void kiln_trunk(const Model *m, int B, int T, const int32_t *lens, const int64_t
 /* MTP layer l (kiln/model/mtp.py): out [B*T, D] = block_l(eh_proj(cat(hnorm(h_in), enorm(embed(ids))))),
  * with the layer's own cache (as kiln_trunk's arguments); need as block's (rows left out are not outputs). */
 void kiln_mtp_layer(const Model *m, int l, int B, int T, const float *h_in, const int64_t *ids, const int32_t *pos0,
-                    float *k_cache, float *v_cache, int64_t slot_stride, int64_t layer_stride, int max_len, float *out,
-                    float *scratch, const uint8_t *need) {
+                    void *k_cache, void *v_cache, int64_t slot_stride, int64_t layer_stride, int max_len, int kv_bf16,
+                    float *out, float *scratch, const uint8_t *need) {
     const int D = m->dim, N = B * T;
     const Layout s = layout(m, B, T);
     int32_t off[B + 1];
@@ -864,7 +906,8 @@ void kiln_mtp_layer(const Model *m, int l, int B, int T, const float *h_in, cons
         rms_norm(e, m->enorm[l], e, D, m->eps);  /* elementwise after the sum: in place is safe */
     }
     matmul(m, m->eh_proj[l], cat, 2 * D, out, D, D, 2 * D, N);
-    Batch bt = {B, T, max_len, pos0, off, k_cache + l * layer_stride, v_cache + l * layer_stride, slot_stride};
+    Batch bt = {B, T, max_len, pos0, off, kv_at(k_cache, l * layer_stride, kv_bf16),
+                kv_at(v_cache, l * layer_stride, kv_bf16), slot_stride, kv_bf16};
     rope_tables(m, &bt, scratch + s.rope);
     block(m, l, out, &bt, NULL, 0, scratch, need);
 }

@@ -95,9 +95,10 @@ def build(flags: list[str] = FLAGS) -> ctypes.CDLL | None:
     lib.kiln_scratch_floats.restype = i64
     lib.kiln_scratch_floats.argtypes = [ctypes.POINTER(_Model), i32, i32]
     lib.kiln_trunk.restype = None
-    lib.kiln_trunk.argtypes = [ctypes.POINTER(_Model), i32, i32, vp, vp, vp, vp, vp, i64, i64, i32, vp, vp, vp]
+    lib.kiln_trunk.argtypes = [ctypes.POINTER(_Model), i32, i32, vp, vp, vp, vp, vp, i64, i64, i32, i32, vp, vp, vp]
     lib.kiln_mtp_layer.restype = None
-    lib.kiln_mtp_layer.argtypes = [ctypes.POINTER(_Model), i32, i32, i32, vp, vp, vp, vp, vp, i64, i64, i32, vp, vp, vp]
+    lib.kiln_mtp_layer.argtypes = [ctypes.POINTER(_Model), i32, i32, i32, vp, vp, vp, vp, vp, i64, i64, i32, i32, vp, vp,
+                                   vp]
     lib.kiln_head.restype = None
     lib.kiln_head.argtypes = [ctypes.POINTER(_Model), vp, vp, vp, i32, i32, vp, vp]
     return lib
@@ -177,6 +178,11 @@ def _struct(model, layers, max_len: int, keep: list, weight, mtp_layers=None) ->
         eh_proj=per_layer(lambda ml: ml and ml.eh_proj.weight, mtp))
 
 
+def _bf16(cache) -> int:
+    """1 when the KV cache holds bf16 (native.c rounds what it writes, widens what it reads)."""
+    return int(cache.k.dtype == torch.bfloat16)
+
+
 class NativeTrunk:
     """native.c for a batch of sequences in consecutive cache slots: (hidden, routes) =
     trunk(ids, starts, cache, slot) from lists (the engine's call), or from tensors as `FastTrunk`
@@ -237,6 +243,8 @@ class NativeTrunk:
         """Check a call over rows starting at positions `starts` (t tokens each, or lens[b]) in slots
         slot..; -> (their first positions as C int32s, the slots' key and value cache addresses)."""
         b = len(starts)
+        if cache.k.dtype not in DTYPES:
+            raise ValueError(f"the native step keeps keys and values in float32 or bfloat16, not {cache.k.dtype}")
         end = max(s + (lens[i] if lens else t) for i, s in enumerate(starts)) if b else 0
         if t > MAX_TOKENS or end > min(cache.max_len, self.max_len) or (b and min(starts) < 0) \
                 or not (0 <= slot and slot + b <= cache.slots):
@@ -273,8 +281,8 @@ class NativeTrunk:
         hidden = torch.empty(n, self.dim)
         routes = torch.empty(n, max(self.n_moe, 1), self.top_k, dtype=torch.int32)
         self.lib.kiln_trunk(self.ref, b, t, None if lens is None else (ctypes.c_int32 * b)(*lens), flat, pos0, k, v,
-                            cache.k.stride(1), cache.k.stride(0), cache.max_len, hidden.data_ptr(), routes.data_ptr(),
-                            self.scratch(b, t))
+                            cache.k.stride(1), cache.k.stride(0), cache.max_len, _bf16(cache), hidden.data_ptr(),
+                            routes.data_ptr(), self.scratch(b, t))
         return hidden, (routes if self.n_moe else None)
 
     def mtp_layer(self, k: int, hidden: torch.Tensor, ids: list[list[int]], starts: list[int], cache, slot: int,
@@ -290,7 +298,7 @@ class NativeTrunk:
         h_in = hidden.contiguous()
         out = torch.empty_like(h_in)
         self.lib.kiln_mtp_layer(self.mtp_ref, k, b, t, h_in.data_ptr(), flat, pos0, kc, vc, cache.k.stride(1),
-                                cache.k.stride(0), cache.max_len, out.data_ptr(), self.scratch(b, t), flags)
+                                cache.k.stride(0), cache.max_len, _bf16(cache), out.data_ptr(), self.scratch(b, t), flags)
         return out
 
     def head(self, hidden: torch.Tensor, norm: torch.Tensor | None = None, drafts: bool = False) -> torch.Tensor:

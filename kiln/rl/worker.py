@@ -70,6 +70,7 @@ class RolloutWorker:
         rows = rl.group_size * rl.worker_groups
         self.engine = Engine(model, tok, mtp=mtp, max_batch=rows, max_len=max_len, version=got[0],
                              prefix_slots=2 * rows, weight_dtype=getattr(torch, cfg.engine.dtype),  # the store's weights
+                             kv_dtype=torch.bfloat16 if cfg.engine.kv_dtype == "bfloat16" else None,
                              carry_turns=True, lookup=0 if mtp is not None else cfg.engine.lookup)
         self.runner = EngineRunner(self.engine)
         self.runner.start()

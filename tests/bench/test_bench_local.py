@@ -57,13 +57,17 @@ def test_engine_lookup_drafts_in_the_local_policy(suite, tcfg, tiny_checkpoint, 
     assert drafts["steps"] > 0
 
 
-def test_the_mtp_drafter_drafts_instead_of_lookup(tiny_checkpoint):
+def test_the_mtp_drafter_drafts_instead_of_lookup_and_the_kv_cache_takes_its_dtype(tiny_checkpoint):
+    import torch
+
     from kiln.bench.run import start_engine
 
-    for speculative, lookup in ((True, 0), (False, 4)):
-        runner = start_engine(str(tiny_checkpoint), 2, speculative=speculative, lookup=4)
+    for speculative, lookup, kv in ((True, 0, "bfloat16"), (False, 4, "float32")):
+        runner = start_engine(str(tiny_checkpoint), 2, speculative=speculative, lookup=4, kv_dtype=kv)
         try:
             assert (runner.engine.mtp is not None) == speculative and runner.engine.lookup == lookup
+            caches = [runner.engine.cache] + ([runner.engine.mtp_cache] if speculative else [])
+            assert {c.k.dtype for c in caches} == {getattr(torch, kv)}
         finally:
             runner.close()
 

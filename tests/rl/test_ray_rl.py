@@ -46,16 +46,17 @@ def _trained(rl_dir):
     return [g for g in state["groups"].values() if g["status"] == "trained"]
 
 
-@pytest.mark.parametrize("dtype, speculative, lookup", [
-    ("float32", False, 0), pytest.param("bfloat16", False, 0, marks=pytest.mark.slow), ("float32", True, 0),
-    ("float32", False, 4)])
+@pytest.mark.parametrize("dtype, speculative, lookup, kv_dtype", [
+    ("float32", False, 0, "float32"), pytest.param("bfloat16", False, 0, "float32", marks=pytest.mark.slow),
+    ("float32", True, 0, "float32"), ("float32", False, 4, "bfloat16")])
 def test_rl_runs_trains_publishes_and_never_repeats_a_prompt(tmp_path, tiny_checkpoint, ray_cluster, rl_dirs, dtype,
-                                                            speculative, lookup):
+                                                            speculative, lookup, kv_dtype):
     rl_dir = rl_dirs(tmp_path)
     cpus = sorted(os.sched_getaffinity(0))  # the trainer and the workers pinned apart (rl/placement.py)
     # (near-greedy with lookup: the untrained model's replies then repeat themselves, which drafts copy)
-    s = run_rl(_cfg(tmp_path, f"engine.dtype={dtype}", f"engine.lookup={lookup}", trainer_cpus=cpus[:1],
-                    worker_cpus=cpus[-1:], speculative=speculative, **({"temperature": 0.05} if lookup else {})),
+    s = run_rl(_cfg(tmp_path, f"engine.dtype={dtype}", f"engine.lookup={lookup}", f"engine.kv_dtype={kv_dtype}",
+                    trainer_cpus=cpus[:1], worker_cpus=cpus[-1:], speculative=speculative,
+                    **({"temperature": 0.05} if lookup else {})),
                str(tiny_checkpoint), str(rl_dir), progress=False)
     # with rl.speculative every worker that rolled out drafted with the checkpoint's MTP, with
     # engine.lookup workers drafted where their sequences repeated themselves; without either none did
