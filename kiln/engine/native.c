@@ -99,9 +99,6 @@ INLINE float weight_at(const void *w, int64_t i, const int BF) {
     return f;
 }
 
-/* The KV cache holds fp32 or (BF) bf16 entries: element i's address. */
-INLINE void *kv_at(const void *base, int64_t i, const int BF) { return (char *)base + i * (BF ? 2 : 4); }
-
 /* n floats into the cache, rounded to bf16 to nearest even as torch's .to(bfloat16) does (finite values). */
 static void store_kv(void *dst, const float *src, int n, int bf) {
     if (!bf) {
@@ -116,9 +113,9 @@ static void store_kv(void *dst, const float *src, int n, int bf) {
     }
 }
 
-/* The address of element i of a weight matrix. */
-INLINE const void *weight_ptr(const void *w, int64_t i, int bf) {
-    return (const char *)w + i * (bf ? 2 : 4);
+/* The address of element i of an fp32 or (bf) bf16 array: a weight matrix, or the KV cache. */
+INLINE void *elem_ptr(const void *w, int64_t i, int bf) {
+    return (char *)w + i * (bf ? 2 : 4);
 }
 
 INLINE vf selectv(vi mask, vf a, vf b) { return (vf)(((vi)a & mask) | ((vi)b & ~mask)); }
@@ -373,7 +370,7 @@ typedef struct { const void *w; const float *x; float *y; int cols, N, bf; int64
 
 /* out [n] = row i of the weight matrix w ([.., n]; bf: bf16) as fp32. */
 static void weight_row(const void *w, int bf, int64_t i, int n, float *out) {
-    const void *row = weight_ptr(w, i * n, bf);
+    const void *row = elem_ptr(w, i * n, bf);
     if (!bf) {
         memcpy(out, row, (size_t)n * sizeof(float));
         return;
@@ -388,7 +385,7 @@ INLINE void block_sums(const void *w, const int BF, int n, const float *x, int64
                        vf s[][16]) {
     for (int k = 0; k < nr; k++) {
         vf one[MAX_BLOCK][PARTS];
-        dotv_sums(weight_ptr(w, (int64_t)(r + k) * n, BF), BF, x, xs, NV, n, one);
+        dotv_sums(elem_ptr(w, (int64_t)(r + k) * n, BF), BF, x, xs, NV, n, one);
         for (int v = 0; v < NV; v++) s[v][k] = one[v][0];
     }
 }
@@ -439,7 +436,7 @@ static void product_rows(void *c, int r0, int r1) {
 #endif
     float wide[widen ? a->cols : 1];
     for (int r = r0; r < r1; r++) {
-        const void *row = weight_ptr(a->w, (int64_t)r * a->cols, a->bf);
+        const void *row = elem_ptr(a->w, (int64_t)r * a->cols, a->bf);
         if (widen) {
             weight_row(a->w, 1, r, a->cols, wide);
             dots(wide, a->x, a->xs, a->N, a->cols, a->y + r, a->ys);
@@ -631,7 +628,7 @@ INLINE void scores16(const int C, const vf *q, const float *k, int hd, float sca
 INLINE void scores_all(const int C, const int BF, const float *qs, int NQ, const void *kh, int n, int hd, float scale,
                        float *e, int64_t ld, float *pad) {
     for (int p0 = 0; p0 < n; p0 += 16) {
-        const void *src = kv_at(kh, (int64_t)p0 * hd, BF);
+        const void *src = elem_ptr(kh, (int64_t)p0 * hd, BF);
         const float *k = src;
         const int64_t have = (int64_t)(p0 + 16 > n ? n - p0 : 16) * hd;
         if (BF || have < 16 * hd) {
@@ -662,7 +659,7 @@ static void attend_units(void *c, int lo, int hi) {
         const int b = u / a->n_kv, g = u % a->n_kv, pos0 = a->pos0[b], first = a->off[b];
         const int T = a->off[b + 1] - first, NQ = T * G, nmax = pos0 + T;
         const int64_t at = b * a->slot_stride + (int64_t)g * a->max_len * hd;
-        const void *kh = kv_at(a->kc, at, a->kvbf), *vh = kv_at(a->vc, at, a->kvbf);
+        const void *kh = elem_ptr(a->kc, at, a->kvbf), *vh = elem_ptr(a->vc, at, a->kvbf);
         for (int t = 0; t < T; t++)
             memcpy(qs + (int64_t)t * G * hd, a->q + ((int64_t)first + t) * Q + (int64_t)g * G * hd,
                    (size_t)G * hd * sizeof(float));
@@ -676,7 +673,7 @@ static void attend_units(void *c, int lo, int hi) {
 #undef SCORES
         default:  /* a head size the vector cases do not cover */
             for (int p = 0; p < nmax; p++) {
-                const void *kp = kv_at(kh, (int64_t)p * hd, a->kvbf);
+                const void *kp = elem_ptr(kh, (int64_t)p * hd, a->kvbf);
                 if (a->kvbf) dots_bf16(kp, qs, hd, NQ, hd, e + p, ld);
                 else dots(kp, qs, hd, NQ, hd, e + p, ld);
             }
@@ -762,8 +759,8 @@ static void block(const Model *m, int l, float *hidden, const Batch *bt, int32_t
             if (m->k_norm[l]) rms_norm(kj, m->k_norm[l], kj, hd, m->eps);
             rope(kj, hd, cs, sn);
             const int64_t at = b * bt->slot_stride + ((int64_t)j * bt->max_len + pos) * hd;
-            store_kv(kv_at(bt->kc, at, bt->bf), kj, hd, bt->bf);
-            store_kv(kv_at(bt->vc, at, bt->bf), v + (int64_t)n * KVD + j * hd, hd, bt->bf);
+            store_kv(elem_ptr(bt->kc, at, bt->bf), kj, hd, bt->bf);
+            store_kv(elem_ptr(bt->vc, at, bt->bf), v + (int64_t)n * KVD + j * hd, hd, bt->bf);
         }
     }
     Attn a = {bt->T, hd, H / KV, H, bt->max_len, KV, m->max_tokens, bt->pos0, bt->off, q, bt->kc, bt->vc,
@@ -822,9 +819,9 @@ static void block(const Model *m, int l, float *hidden, const Batch *bt, int32_t
                 slots[cnt++] = nj;
             }
         if (cnt == 0) continue;
-        matmul(m, weight_ptr(m->gate_up[l], (int64_t)e * 2 * I * D, m->wbf16), xg, D, gu, 2 * I, 2 * I, D, cnt);
+        matmul(m, elem_ptr(m->gate_up[l], (int64_t)e * 2 * I * D, m->wbf16), xg, D, gu, 2 * I, 2 * I, D, cnt);
         for (int c = 0; c < cnt; c++) swiglu(gu + (int64_t)c * 2 * I, gu + (int64_t)c * 2 * I + I, act + (int64_t)c * I, I);
-        matmul(m, weight_ptr(m->down[l], (int64_t)e * D * I, m->wbf16), act, I, xg, D, D, I, cnt);  /* xg is free */
+        matmul(m, elem_ptr(m->down[l], (int64_t)e * D * I, m->wbf16), act, I, xg, D, D, I, cnt);  /* xg is free */
         for (int c = 0; c < cnt; c++) memcpy(y + (int64_t)slots[c] * D, xg + (int64_t)c * D, D * sizeof(float));
     }
     for (int n = 0; n < N; n++) {
@@ -882,8 +879,8 @@ void kiln_trunk(const Model *m, int B, int T, const int32_t *lens, const int64_t
     rope_tables(m, &bt, scratch + layout(m, B, T).rope);
     for (int l = 0, moe_i = 0; l < m->n_layers; l++) {
         int moe = m->router[l] != NULL;
-        bt.kc = kv_at(k_cache, l * layer_stride, kv_bf16);
-        bt.vc = kv_at(v_cache, l * layer_stride, kv_bf16);
+        bt.kc = elem_ptr(k_cache, l * layer_stride, kv_bf16);
+        bt.vc = elem_ptr(v_cache, l * layer_stride, kv_bf16);
         block(m, l, hidden, &bt, moe ? routes + moe_i * K : NULL, n_moe * K, scratch, NULL);
         moe_i += moe;
     }
@@ -906,8 +903,8 @@ void kiln_mtp_layer(const Model *m, int l, int B, int T, const float *h_in, cons
         rms_norm(e, m->enorm[l], e, D, m->eps);  /* elementwise after the sum: in place is safe */
     }
     matmul(m, m->eh_proj[l], cat, 2 * D, out, D, D, 2 * D, N);
-    Batch bt = {B, T, max_len, pos0, off, kv_at(k_cache, l * layer_stride, kv_bf16),
-                kv_at(v_cache, l * layer_stride, kv_bf16), slot_stride, kv_bf16};
+    Batch bt = {B, T, max_len, pos0, off, elem_ptr(k_cache, l * layer_stride, kv_bf16),
+                elem_ptr(v_cache, l * layer_stride, kv_bf16), slot_stride, kv_bf16};
     rope_tables(m, &bt, scratch + s.rope);
     block(m, l, out, &bt, NULL, 0, scratch, need);
 }
