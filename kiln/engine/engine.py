@@ -123,7 +123,8 @@ class Engine:
             raise ValueError(f"a bf16 sampler keeps fp32 activations: give an fp32 model (this one is {p.dtype})")
         kv_dtype = kv_dtype or p.dtype
         if kv_dtype != p.dtype and (kv_dtype != torch.bfloat16 or p.dtype != torch.float32):
-            raise ValueError(f"kv_dtype {kv_dtype} with a {p.dtype} model: only an fp32 model may cache in bfloat16")
+            raise ValueError(f"kv_dtype must be the model's dtype ({p.dtype}) or, for an fp32 model, torch.bfloat16 "
+                             f"(got {kv_dtype})")
         self.model, self.tok, self.mtp, self.lookup = model, tokenizer, mtp, lookup
         self.version, self.capture_routes = version, capture_routes
         self.max_batch = max_batch

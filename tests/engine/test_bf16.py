@@ -160,9 +160,10 @@ def test_an_engine_with_a_bf16_kv_cache_keeps_every_cache_in_bf16_and_samples_cl
     same = [(g, w) for g, w in zip(got, want) if g.token_ids[0] == w.token_ids[0]]
     assert same and all(abs(g.logprobs[0] - w.logprobs[0]) < 1e-3 for g, w in same)
     assert all(len(g.token_ids) == 8 for g in got)
-    with pytest.raises(ValueError, match="only an fp32 model may cache in bfloat16"):
+    with pytest.raises(ValueError, match=r"kv_dtype must be the model's dtype \(torch.float32\) or, for an fp32 "
+                                         r"model, torch.bfloat16 \(got torch.float16\)"):
         Engine(model, kv_dtype=torch.float16)
-    with pytest.raises(ValueError, match="only an fp32 model may cache in bfloat16"):
+    with pytest.raises(ValueError, match=r"kv_dtype must be the model's dtype \(torch.bfloat16\) .*\(got torch.float32\)"):
         Engine(tiny_model(0)[0].to(torch.bfloat16), kv_dtype=torch.float32)
 
 
