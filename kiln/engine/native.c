@@ -113,6 +113,11 @@ static void store_kv(void *dst, const float *src, int n, int bf) {
     }
 }
 
+/* n bf16 values as fp32 (exact), n a multiple of VW. */
+static void widen_bf16(float *dst, const void *src, int64_t n) {
+    for (int64_t i = 0; i < n; i += VW) storev(dst + i, loadw(src, i, 1));
+}
+
 /* The address of element i of an fp32 or (bf) bf16 array: a weight matrix, or the KV cache. */
 INLINE void *elem_ptr(const void *w, int64_t i, int bf) {
     return (char *)w + i * (bf ? 2 : 4);
@@ -633,7 +638,7 @@ INLINE void scores_all(const int C, const int BF, const float *qs, int NQ, const
         const int64_t have = (int64_t)(p0 + 16 > n ? n - p0 : 16) * hd;
         if (BF || have < 16 * hd) {
             if (BF)
-                for (int64_t i = 0; i < have; i += VW) storev(pad + i, loadw(src, i, 1));
+                widen_bf16(pad, src, have);
             else
                 memcpy(pad, src, (size_t)have * sizeof(float));
             memset(pad + have, 0, (size_t)(16 * hd - have) * sizeof(float));
@@ -704,7 +709,7 @@ static void attend_units(void *c, int lo, int hi) {
         /* bf16 values read by more than one pass: widened once (exact) */
         int bf = a->kvbf;
         if (bf && NQ > 4 && hd % 16 == 0) {
-            for (int64_t i = 0; i < (int64_t)nmax * hd; i += VW) storev(widened + i, loadw(vh, i, 1));
+            widen_bf16(widened, vh, (int64_t)nmax * hd);
             vh = widened, bf = 0;
         }
         for (int i0 = 0; i0 < NQ; i0 += 4) {
