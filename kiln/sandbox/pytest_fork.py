@@ -18,6 +18,7 @@ Anything else runs in bash as before.
 """
 from __future__ import annotations
 
+import gc
 import json
 import os
 import re
@@ -36,6 +37,10 @@ _WRAPPED = re.compile(r"\( (?:ulimit -S -t (\d+); )?(.*?)[ \t]*\) > ([\w./-]+) 2
 _ASSIGN = re.compile(r"[A-Za-z_]\w*=")
 # Run with -S: the interpreter's path before site (the stdlib), then after site.main() (+ site-packages).
 _PROBE = "import json, site, sys; stdlib = sys.path[1:]; site.main(); print(json.dumps([stdlib, sys.path[1:]]))"
+# What every run imports beyond pytest and its default plugins (the debugging plugin's pdb,
+# faulthandler, argcomplete): imported once in the zygote, as a fresh interpreter imports them before
+# any test runs. (Not tomllib: a run imports it only to read a pyproject.toml.)
+RUN_IMPORTS = ("pdb", "faulthandler", "_pytest._argcomplete")
 
 
 class Plan(NamedTuple):
@@ -60,8 +65,14 @@ def preload() -> dict | None:
         import pytest  # noqa: F401
         for name in _pytest.config.default_plugins:
             __import__("_pytest." + name)
+        for name in RUN_IMPORTS:
+            __import__(name)
     except (OSError, ValueError, KeyError, ImportError, subprocess.SubprocessError):
         return None
+    # Everything imported so far lives as long as the children: a child's full collections would
+    # traverse it, writing to each object's GC header and so copying the pages it shares with the
+    # zygote. Frozen, they are skipped (Python's gc.freeze, for pre-fork servers).
+    gc.freeze()
     return {"stdlib": stdlib, "exe": sys.executable}
 
 

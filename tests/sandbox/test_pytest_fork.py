@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from kiln.sandbox import Snapshot, create
-from kiln.sandbox.pytest_fork import plan
+from kiln.sandbox.pytest_fork import RUN_IMPORTS, plan
 from kiln.tasks.testrun import SIGXCPU_EXIT, run_tests
 
 COMMAND = "PYTHONHASHSEED=0 PYTEST_DISABLE_PLUGIN_AUTOLOAD=1 python -m pytest -rA -q -p no:cacheprovider"
@@ -16,8 +16,10 @@ ENV = {"PATH": f"{sys.prefix}/bin:/usr/bin:/bin", "HOME": "/tmp", "LANG": "C.UTF
 BASE = {"exe": sys.executable, "stdlib": []}
 
 # What a test can observe of the interpreter that runs it. `sys.flags.no_site` is the one known
-# difference (the zygote runs `python -S`; site's builtins are added back), so it shows which path ran.
-PROBE = '''import builtins, json, os, signal, site, sys
+# difference (the zygote runs `python -S`; site's builtins are added back), so it shows which path ran;
+# `frozen`: the objects a forked run inherits are out of the GC's reach (gc.freeze in the zygote).
+# `run_imports`: the modules the zygote imports ahead of a run, which a fresh run has imported too.
+PROBE = f"RUN_IMPORTS = {RUN_IMPORTS!r}\n" + '''import builtins, gc, json, os, signal, site, sys
 
 def test_probe():
     seen = {"env": dict(os.environ), "path": sys.path, "cwd": os.getcwd(), "argv0": os.path.basename(sys.argv[0]),
@@ -26,7 +28,8 @@ def test_probe():
             "builtins": [hasattr(builtins, n) for n in ("exit", "quit", "help", "license")],
             "bytecode": sys.dont_write_bytecode, "encoding": sys.stdout.encoding, "kiln": "kiln" in sys.modules,
             "meta_path": [getattr(f, "__name__", type(f).__name__) for f in sys.meta_path],
-            "site": [site.ENABLE_USER_SITE, site.USER_SITE], "forked": sys.flags.no_site}
+            "site": [site.ENABLE_USER_SITE, site.USER_SITE], "forked": sys.flags.no_site,
+            "frozen": gc.get_freeze_count() > 0, "run_imports": [m in sys.modules for m in RUN_IMPORTS]}
     with open("/tmp/probe.json", "w") as f:
         json.dump(seen, f)
 '''
@@ -83,6 +86,8 @@ def test_a_forked_run_sees_what_bash_and_python_give(probe_base, cfg, wrapped):
         with create(probe_base, cfg.model_copy(update={"fork_pytest": fork})) as sb:
             seen[fork] = _observe(sb, COMMAND, wrapped)
     assert (seen[False].pop("forked"), seen[True].pop("forked")) == (0, 1)
+    assert (seen[False].pop("frozen"), seen[True].pop("frozen")) == (False, True)
+    assert all(seen[False]["run_imports"])  # else RUN_IMPORTS names one a fresh run does not import
     assert seen[True] == seen[False]
     assert seen[True]["code"] == 0 and seen[True]["env"]["PYTHONHASHSEED"] == "0"
 
