@@ -65,10 +65,13 @@ def preload() -> dict | None:
         import pytest  # noqa: F401
         for name in _pytest.config.default_plugins:
             __import__("_pytest." + name)
-        for name in RUN_IMPORTS:
-            __import__(name)
     except (OSError, ValueError, KeyError, ImportError, subprocess.SubprocessError):
         return None
+    for name in RUN_IMPORTS:  # only a head start: a run imports whatever is missing itself
+        try:
+            __import__(name)
+        except ImportError:
+            pass
     # Everything imported so far lives as long as the children: a child's full collections would
     # traverse it, writing to each object's GC header and so copying the pages it shares with the
     # zygote. Frozen, they are skipped (Python's gc.freeze, for pre-fork servers).
