@@ -27,6 +27,7 @@ from kiln.engine.lookup import lookup_step
 from kiln.engine.native import (
     MAX_TOKENS,
     NATIVE_PREFILL,
+    NativeSampler,
     NativeTrunk,
     family_supported,
     library,
@@ -38,6 +39,8 @@ from kiln.engine.sampling import (
     make_generator,
     policy_logprobs,
     sample_row,
+    uniform,
+    untruncated,
 )
 from kiln.engine.speculative import SpecStats, draft, spec_step
 
@@ -149,6 +152,7 @@ class Engine:
         self.draft_ids = mtp.draft_ids(draft_vocab) if mtp is not None else None
         self._draft_list = self.draft_ids.tolist() if self.draft_ids is not None else None
         self.native = NativeTrunk(model, lib, self.max_len, mtp, weight_dtype, self.draft_ids) if lib is not None else None
+        self.sampler = NativeSampler(lib) if lib is not None else None  # untruncated rows; the rest through torch
         self.running: list[Request] = []
         self.waiting: queue.Queue[Request] = queue.Queue()
         self._pending: tuple | None = None
@@ -352,9 +356,12 @@ class Engine:
         return self.native.head(hidden) if self.native is not None else self.model.head(hidden)
 
     def sample(self, r: Request, logits: torch.Tensor) -> tuple[int, float]:
-        """logits: one row on the CPU (each request's generator is a CPU generator)."""
-        tok = sample_row(logits, r.params, r.gen)
-        return tok, float(policy_logprobs(logits, r.params.temperature)[tok])
+        """logits: one contiguous row on the CPU (each request's generator is a CPU generator)."""
+        p = r.params
+        if self.sampler is not None and untruncated(p):
+            return self.sampler.sample(logits, p.temperature, 0.0 if p.greedy else uniform(r.gen))
+        tok = sample_row(logits, p, r.gen)
+        return tok, float(policy_logprobs(logits, p.temperature)[tok])
 
     def emit(self, r: Request, new: list[tuple[int, float]], fed: int | None = None) -> None:
         """Append generated tokens (stopping at a stop token, max_tokens or the context end) and

@@ -48,7 +48,7 @@ def lookup_step(engine) -> None:
     logits = engine.head(torch.cat(hidden)).float().cpu().split([len(d) + 1 for d in drafts])
     stats = engine.spec_stats
     for r, d, lg in zip(rs, drafts, logits):
-        new, a = verify(r, lg, len(d))
+        new, a = verify(r, lg, len(d), engine.sampler)
         stats.steps += bool(d)
         for j in range(min(a + 1, len(d))):
             stats.proposed[j] += 1

@@ -921,3 +921,107 @@ void kiln_head(const Model *m, const float *norm, const void *w, const float *hi
     for (int n = 0; n < N; n++) rms_norm(hidden + (int64_t)n * m->dim, norm, scratch + (int64_t)n * m->dim, m->dim, m->eps);
     matmul(m, w ? w : m->head, scratch, m->dim, logits, vocab, vocab, m->dim, N);
 }
+
+/* ---- sampling one row of logits ---------------------------------------------------------------- *
+ * sampling.py's rule in one pass over the row instead of a dozen torch ops: right after a decoding
+ * call has streamed the weights through the caches, each op ran cold (~5x its time in a loop). */
+typedef struct { float m, total; int64_t first_max, first_nan; } RowStats;
+
+/* e[i] = exp(y_i - max y) for y = x / T (T = 0: x), per 16-float block its sum in sums[], and the
+ * total of the blocks in order, then of the tail. */
+static RowStats row_exp(const float *x, int V, float T, float *e, float *sums) {
+    RowStats st = {-INFINITY, 0.f, -1, -1};
+    const int blocks = V / 16;
+    vf mx = (vf){0} - INFINITY;
+    vi nan = (vi){0};
+    for (int i = 0; i < blocks * 16; i += VW) {
+        vf y = loadv(x + i);
+        if (T > 0) y /= T;
+        storev(e + i, y);
+        mx = selectv(y > mx, y, mx);
+        nan |= y != y;
+    }
+    for (int l = 0; l < VW; l++) {
+        st.m = mx[l] > st.m ? mx[l] : st.m;
+        st.first_nan = nan[l] ? 0 : st.first_nan;
+    }
+    for (int i = blocks * 16; i < V; i++) {
+        e[i] = T > 0 ? x[i] / T : x[i];
+        st.m = e[i] > st.m ? e[i] : st.m;
+        st.first_nan = e[i] != e[i] ? 0 : st.first_nan;
+    }
+    if (st.first_nan >= 0) { /* torch's argmax: a NaN above all */
+        for (int i = 0; i < V; i++)
+            if (e[i] != e[i]) { st.first_nan = i; break; }
+    }
+    for (int i = 0; i < V; i++) /* the first of equal maxima */
+        if (e[i] == st.m) { st.first_max = i; break; }
+    for (int b = 0; b < blocks; b++) {
+        vf s[PARTS];
+        for (int j = 0; j < PARTS; j++) {
+            s[j] = expv(loadv(e + 16 * b + VW * j) - st.m);
+            storev(e + 16 * b + VW * j, s[j]);
+        }
+        sums[b] = hsum(s);
+        st.total += sums[b];
+    }
+    for (int i = blocks * 16; i < V; i++) {
+        e[i] = expf(e[i] - st.m);
+        st.total += e[i];
+    }
+    return st;
+}
+
+/* The token of one row of logits x [V] and its log softmax(x / T) (T = 0: the argmax, the first of
+ * equal maxima and a NaN above all as torch's, with its log softmax(x)). T > 0: the first token
+ * whose running sum of exp(x / T - max) passes u (in [0, 1)) times their total, leaving out `skip`
+ * (>= 0: a rejected draft, drawn from the rest; -1 if the rest has no mass). scratch: V + V / 16 floats. */
+int64_t kiln_sample(const float *x, int V, float T, float u, int64_t skip, float *logprob, float *scratch) {
+    float *e = scratch, *sums = scratch + V;
+    const RowStats st = row_exp(x, V, T, e, sums);
+    const int blocks = V / 16;
+    int64_t tok = st.first_nan >= 0 ? st.first_nan : st.first_max;
+    if (T > 0 && st.first_nan < 0 && tok >= 0) {
+        float total = st.total;
+        if (skip >= 0 && skip < V) { /* the draft's share out of its block and the total */
+            e[skip] = 0.f;
+            total = 0.f;
+            for (int b = 0; b < blocks; b++) {
+                if (b == skip / 16) {
+                    vf s[PARTS];
+                    for (int j = 0; j < PARTS; j++) s[j] = loadv(e + 16 * b + VW * j);
+                    sums[b] = hsum(s);
+                }
+                total += sums[b];
+            }
+            for (int i = blocks * 16; i < V; i++) total += e[i];
+        }
+        if (!(total > 0.f)) { /* nothing to draw from: the rest of a draft's row, or a row of -inf */
+            *logprob = NAN;
+            return skip >= 0 ? -1 : tok;
+        }
+        const float target = u * total;
+        float run = 0.f;
+        tok = -1;
+        int b = 0;
+        for (; b < blocks && run + sums[b] <= target; b++) run += sums[b];
+        const int lo = b < blocks ? 16 * b : 16 * blocks, hi = b < blocks ? 16 * b + 16 : V;
+        for (int i = lo; i < hi; i++) { /* within the block, token by token (the last with mass if rounding runs out) */
+            if (e[i] > 0.f) tok = i;
+            run += e[i];
+            if (run > target) break;
+        }
+        for (int i = V - 1; tok < 0 && i >= 0; i--) /* the target fell past the last block's rounding */
+            if (e[i] > 0.f) tok = i;
+    }
+    const float y = T > 0 ? x[tok] / T : x[tok];
+    *logprob = (y - st.m) - logf(st.total);
+    return tok;
+}
+
+/* log softmax(x / T)[tok] (T = 0: of x), as kiln_sample reports a token's. */
+float kiln_logprob(const float *x, int V, float T, int64_t tok, float *scratch) {
+    const RowStats st = row_exp(x, V, T, scratch, scratch + V);
+    const float y = T > 0 ? x[tok] / T : x[tok];
+    return (y - st.m) - logf(st.total);
+}

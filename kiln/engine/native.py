@@ -101,6 +101,10 @@ def build(flags: list[str] = FLAGS) -> ctypes.CDLL | None:
                                    vp]
     lib.kiln_head.restype = None
     lib.kiln_head.argtypes = [ctypes.POINTER(_Model), vp, vp, vp, i32, i32, vp, vp]
+    lib.kiln_sample.restype = i64
+    lib.kiln_sample.argtypes = [vp, i32, ctypes.c_float, ctypes.c_float, i64, ctypes.POINTER(ctypes.c_float), vp]
+    lib.kiln_logprob.restype = ctypes.c_float
+    lib.kiln_logprob.argtypes = [vp, i32, ctypes.c_float, i64, vp]
     return lib
 
 
@@ -176,6 +180,36 @@ def _struct(model, layers, max_len: int, keep: list, weight, mtp_layers=None) ->
         hnorm=per_layer(lambda ml: ml and ml.hnorm.weight, mtp, False),
         enorm=per_layer(lambda ml: ml and ml.enorm.weight, mtp, False),
         eh_proj=per_layer(lambda ml: ml and ml.eh_proj.weight, mtp))
+
+
+class NativeSampler:
+    """sampling.py's rule for untruncated rows (no top-k, no top-p) in one native pass a row:
+    `sample(row, T, u, skip)` -> (token, log softmax(row / T)[token]) (T = 0: the argmax and its
+    log softmax(row)), u the row's uniform draw, skip a rejected draft to draw without (-1 when
+    nothing else has mass); `logprob(row, T, token)`. Rows: contiguous fp32 [V] on the CPU."""
+
+    def __init__(self, lib: ctypes.CDLL):
+        self.lib, self._scratch, self._out = lib, torch.empty(0), ctypes.c_float()
+
+    def _buffer(self, v: int) -> int:
+        if self._scratch.numel() < v + v // 16:
+            self._scratch = torch.empty(v + v // 16)
+        return self._scratch.data_ptr()
+
+    def sample(self, row: torch.Tensor, temperature: float, u: float = 0.0, skip: int = -1) -> tuple[int, float]:
+        _check(row)
+        v = row.shape[-1]
+        tok = self.lib.kiln_sample(row.data_ptr(), v, temperature, u, skip, ctypes.byref(self._out), self._buffer(v))
+        return tok, self._out.value
+
+    def logprob(self, row: torch.Tensor, temperature: float, token: int) -> float:
+        _check(row)
+        return self.lib.kiln_logprob(row.data_ptr(), row.shape[-1], temperature, token, self._buffer(row.shape[-1]))
+
+
+def _check(row: torch.Tensor) -> None:
+    if row.dim() != 1 or row.dtype != torch.float32 or not row.is_contiguous() or row.device.type != "cpu":
+        raise ValueError(f"the native sampler takes one contiguous fp32 CPU row, not {row.dtype} {tuple(row.shape)}")
 
 
 def _bf16(cache) -> int:

@@ -4,7 +4,8 @@ Reported logprobs are log softmax(logits / T) of the chosen token, without top-k
 (T = 1 for greedy): the policy's own probability of the token, which is what the RL trainer
 recomputes and compares. Sampling itself draws from the truncated distribution.
 Each request has its own generator, so a seeded request samples the same tokens whatever else
-shares its batch.
+shares its batch. Where the native step runs, untruncated rows (no top-k, no top-p) take native.c's
+sampler instead (`NativeSampler`): the same rule, one pass over the row.
 """
 from __future__ import annotations
 
@@ -46,6 +47,16 @@ def make_generator(seed: int | None) -> torch.Generator:
     g = torch.Generator()
     g.manual_seed(seed if seed is not None else int(torch.randint(0, 2**62, (1,)).item()))
     return g
+
+
+def untruncated(p: SamplingParams) -> bool:
+    """Drawn from all of softmax(logits / T) (or greedy): the rows native.c's sampler takes."""
+    return p.top_k == 0 and p.top_p == 1.0
+
+
+def uniform(gen: torch.Generator) -> float:
+    """One draw in [0, 1) from a request's generator."""
+    return float(torch.rand((), generator=gen))
 
 
 def policy_logprobs(logits: torch.Tensor, temperature: float) -> torch.Tensor:

@@ -16,6 +16,7 @@ sequence's accepted length are computed but never attended to later (KVCache).
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -27,6 +28,8 @@ from kiln.engine.sampling import (
     policy_logprobs,
     sample_row,
     sampling_probs,
+    uniform,
+    untruncated,
 )
 from kiln.model.layers import rope_tables
 
@@ -59,7 +62,7 @@ def spec_step(engine) -> None:
     logits = engine.head(hidden).float().cpu()  # sampling and acceptance run on the CPU
     n_valid = []
     for b, r in enumerate(rs):
-        new, a = verify(r, logits[b], depth)
+        new, a = verify(r, logits[b], depth, engine.sampler)
         stats = engine.spec_stats
         stats.steps += 1
         for j in range(min(a + 1, depth)):
@@ -73,10 +76,13 @@ def spec_step(engine) -> None:
         draft(engine, 0, rs, hidden, starts, n_valid)
 
 
-def verify(r, logits: torch.Tensor, depth: int) -> tuple[list[tuple[int, float]], int]:
+def verify(r, logits: torch.Tensor, depth: int, sampler=None) -> tuple[list[tuple[int, float]], int]:
     """Accept a prefix of r.drafts against the main logits [D+1, V]; return the new tokens with
-    their logprobs and the number of drafts accepted."""
+    their logprobs and the number of drafts accepted. With a NativeSampler, untruncated rows whose
+    drafts are lookup's (a point mass) or greedy take it, by the same rule."""
     p_, new = r.params, []
+    if sampler is not None and untruncated(p_) and (p_.greedy or all(q is None for q in r.draft_probs[:depth])):
+        return _verify_native(r, logits, depth, sampler)
     if p_.greedy:  # the longest prefix of drafts equal to the argmax, then the argmax after it
         best = argmax(logits)
         a = next((j for j in range(depth) if best[j] != r.drafts[j]), depth)
@@ -95,6 +101,29 @@ def verify(r, logits: torch.Tensor, depth: int) -> tuple[list[tuple[int, float]]
         new.append((d, float(lp[j, d])))
     y = sample_row(logits[depth], p_, r.gen)
     return new + [(y, float(lp[depth, y]))], depth
+
+
+def _verify_native(r, logits: torch.Tensor, depth: int, sampler) -> tuple[list[tuple[int, float]], int]:
+    """`verify` with one native call a row: greedy, the drafts up to the first that is not the
+    argmax, then the argmax; sampled, each draft d accepted with probability p(d), else a token
+    drawn from p without d, and after the last accepted draft one drawn from p."""
+    t, new = r.params.temperature, []
+    if r.params.greedy:
+        for j in range(depth + 1):
+            new.append(sampler.sample(logits[j], 0.0))
+            if j == depth or new[-1][0] != r.drafts[j]:
+                return new, j
+    for j in range(depth):
+        d = r.drafts[j]
+        lp = sampler.logprob(logits[j], t, d)
+        if uniform(r.gen) < math.exp(lp):
+            new.append((d, lp))
+            continue
+        y = sampler.sample(logits[j], t, uniform(r.gen), skip=d)
+        if y[0] < 0:  # d held all of p's mass
+            y = sampler.sample(logits[j], t, uniform(r.gen))
+        return new + [y], j
+    return new + [sampler.sample(logits[depth], t, uniform(r.gen))], depth
 
 
 def draft(engine, start: int, reqs, hidden: torch.Tensor, start_positions: list[int], n_valid: list[int]) -> None:
