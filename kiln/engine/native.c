@@ -972,6 +972,11 @@ static RowStats row_exp(const float *x, int V, float T, float *e, float *sums) {
     return st;
 }
 
+/* log softmax(x / T)[tok] (T = 0: of x) from the row's stats. */
+static float row_logprob(const float *x, float T, const RowStats *st, int64_t tok) {
+    return ((T > 0 ? x[tok] / T : x[tok]) - st->m) - logf(st->total);
+}
+
 /* The token of one row of logits x [V] and its log softmax(x / T) (T = 0: the argmax, the first of
  * equal maxima and a NaN above all as torch's, with its log softmax(x)). T > 0: the first token
  * whose running sum of exp(x / T - max) passes u (in [0, 1)) times their total, leaving out `skip`
@@ -1014,14 +1019,12 @@ int64_t kiln_sample(const float *x, int V, float T, float u, int64_t skip, float
         for (int i = V - 1; tok < 0 && i >= 0; i--) /* the target fell past the last block's rounding */
             if (e[i] > 0.f) tok = i;
     }
-    const float y = T > 0 ? x[tok] / T : x[tok];
-    *logprob = (y - st.m) - logf(st.total);
+    *logprob = row_logprob(x, T, &st, tok);
     return tok;
 }
 
 /* log softmax(x / T)[tok] (T = 0: of x), as kiln_sample reports a token's. */
 float kiln_logprob(const float *x, int V, float T, int64_t tok, float *scratch) {
     const RowStats st = row_exp(x, V, T, scratch, scratch + V);
-    const float y = T > 0 ? x[tok] / T : x[tok];
-    return (y - st.m) - logf(st.total);
+    return row_logprob(x, T, &st, tok);
 }
