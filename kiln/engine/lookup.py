@@ -39,8 +39,8 @@ def lookup_step(engine) -> None:
     any): each row is fed its last token and its own drafts. Drafts stop short of the cache's end."""
     rs = engine.running
     drafts = [propose(r, min(engine.lookup, engine.max_len - r.length - 1)) for r in rs]
-    if not any(drafts):
-        engine._decode()
+    if not any(drafts):  # one step, not a native run: a row may find a draft after its next token
+        engine._decode_step(rs)
         return
     for r, d in zip(rs, drafts):
         r.drafts, r.draft_probs = d, [None] * len(d)  # a point mass at each draft (verify's rule for None)

@@ -1028,3 +1028,36 @@ float kiln_logprob(const float *x, int V, float T, int64_t tok, float *scratch) 
     const RowStats st = row_exp(x, V, T, scratch, scratch + V);
     return row_logprob(x, T, &st, tok);
 }
+
+/* ---- plain decoding, several steps a call ------------------------------------------------------ *
+ * Up to n steps of B sequences in consecutive cache slots (kiln_trunk's cache arguments): a step
+ * feeds each row's last token ids[b] at its next position pos0[b] (kiln_trunk, one token a row),
+ * takes the logits (kiln_head with the final norm's weight `norm`) and draws the row's next token
+ * (kiln_sample, temperature temps[b], uniform u[s * B + b]): the same calls, so the same bits, as n
+ * rounds of the engine's Python step, without the interpreter's work between them (run cold, it cost
+ * a third of a batch-1 token). ids and pos0 are advanced in place. Stops after the first step in
+ * which a row draws one of its stop ids, stops[stop_off[b]..stop_off[b + 1]), or after the step in
+ * which another thread set *yield (a request or new weights arrived).
+ * Out, per step s and row b: tokens and logprobs [s * B + b]; routes [n, B, route_stride] (kiln_trunk's
+ * per token). work: B * (D + V) + V + V / 16 floats; scratch as kiln_trunk's over B x 1 tokens.
+ * -> the steps taken. */
+int kiln_decode(const Model *m, const float *norm, int B, int n, int64_t *ids, int32_t *pos0, const float *temps,
+                const float *u, const int64_t *stops, const int32_t *stop_off, void *k_cache, void *v_cache,
+                int64_t slot_stride, int64_t layer_stride, int max_len, int kv_bf16, int vocab, int route_stride,
+                int64_t *tokens, float *logprobs, int32_t *routes, const int *yield, float *work, float *scratch) {
+    float *hidden = work, *logits = work + (int64_t)B * m->dim, *sampling = logits + (int64_t)B * vocab;
+    for (int s = 0; s < n; s++) {
+        kiln_trunk(m, B, 1, NULL, ids, pos0, k_cache, v_cache, slot_stride, layer_stride, max_len, kv_bf16, hidden,
+                   routes + (int64_t)s * B * route_stride, scratch);
+        kiln_head(m, norm, NULL, hidden, B, vocab, logits, scratch);
+        int stop = 0;
+        for (int b = 0; b < B; b++) {
+            const int64_t i = (int64_t)s * B + b;
+            tokens[i] = ids[b] = kiln_sample(logits + (int64_t)b * vocab, vocab, temps[b], u[i], -1, logprobs + i, sampling);
+            pos0[b]++;
+            for (int j = stop_off[b]; j < stop_off[b + 1]; j++) stop |= stops[j] == tokens[i];
+        }
+        if (stop || __atomic_load_n(yield, __ATOMIC_RELAXED)) return s + 1;
+    }
+    return n;
+}

@@ -101,6 +101,9 @@ def build(flags: list[str] = FLAGS) -> ctypes.CDLL | None:
                                    vp]
     lib.kiln_head.restype = None
     lib.kiln_head.argtypes = [ctypes.POINTER(_Model), vp, vp, vp, i32, i32, vp, vp]
+    lib.kiln_decode.restype = i32
+    lib.kiln_decode.argtypes = [ctypes.POINTER(_Model), vp, i32, i32, vp, vp, vp, vp, vp, vp, vp, vp, i64, i64, i32, i32,
+                                i32, i32, vp, vp, vp, vp, vp, vp]
     lib.kiln_sample.restype = i64
     lib.kiln_sample.argtypes = [vp, i32, ctypes.c_float, ctypes.c_float, i64, ctypes.POINTER(ctypes.c_float), vp]
     lib.kiln_logprob.restype = ctypes.c_float
@@ -234,6 +237,7 @@ class NativeTrunk:
         self.draft_ids = draft_ids  # the drafter's vocabulary (head rows), None = all
         self._scratch = torch.empty(0)
         self._sizes: dict[tuple[int, int], int] = {}  # scratch floats by (rows, tokens)
+        self.yield_run = ctypes.c_int(0)  # nonzero: a running `decode` returns after its current step
         self.refresh()
 
     def refresh(self) -> None:
@@ -318,6 +322,37 @@ class NativeTrunk:
                             cache.k.stride(1), cache.k.stride(0), cache.max_len, _bf16(cache), hidden.data_ptr(),
                             routes.data_ptr(), self.scratch(b, t))
         return hidden, (routes if self.n_moe else None)
+
+    def decode(self, last: list[int], starts: list[int], temps: list[float], uniforms: list[list[float]],
+               stops: list[list[int]], n: int, cache):
+        """Up to n plain decoding steps of the sequences in slots 0..B-1 in one call (native.c's
+        kiln_decode): row b feeds last[b] at position starts[b], then each token it draws (temperature
+        temps[b], uniform uniforms[b][s] at step s; NativeSampler's rule), stopping after the first
+        step in which a row draws one of its stops[b] or after the step in which `yield_run` was set
+        (from any thread). -> (steps, tokens [B][steps], logprobs
+        [B][steps], routes [steps, B, n_moe, k] int32 or None): the bits of as many `trunk`, `head`
+        and `NativeSampler.sample` calls."""
+        b = len(last)
+        pos0, k, v = self._slots(starts, 1, cache, 0, [n] * b)
+        ids = (ctypes.c_int64 * b)(*last)
+        u = (ctypes.c_float * (n * b))(*(row[s] for s in range(n) for row in uniforms))
+        flat = [t for row in stops for t in row]
+        off = [0]
+        for row in stops:
+            off.append(off[-1] + len(row))
+        tokens, logprobs = torch.empty(n * b, dtype=torch.int64), torch.empty(n * b)
+        per = max(self.n_moe, 1) * self.top_k
+        routes = torch.empty(n, b, max(self.n_moe, 1), self.top_k, dtype=torch.int32)
+        work = torch.empty(b * (self.dim + self.vocab) + self.vocab + self.vocab // 16)
+        steps = self.lib.kiln_decode(self.ref, self.final_norm.data_ptr(), b, n, ids, pos0,
+                                     (ctypes.c_float * b)(*temps), u, (ctypes.c_int64 * max(len(flat), 1))(*flat),
+                                     (ctypes.c_int32 * (b + 1))(*off), k, v, cache.k.stride(1), cache.k.stride(0),
+                                     cache.max_len, _bf16(cache), self.vocab, per, tokens.data_ptr(),
+                                     logprobs.data_ptr(), routes.data_ptr(), ctypes.byref(self.yield_run),
+                                     work.data_ptr(), self.scratch(b, 1))
+        tok = tokens[:steps * b].view(steps, b).t().tolist()
+        lp = logprobs[:steps * b].view(steps, b).t().tolist()
+        return steps, tok, lp, (routes[:steps] if self.n_moe else None)
 
     def mtp_layer(self, k: int, hidden: torch.Tensor, ids: list[list[int]], starts: list[int], cache, slot: int,
                   need: list[list[bool]] | None = None) -> torch.Tensor:
