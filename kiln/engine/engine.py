@@ -3,9 +3,8 @@
 Each `step()` applies any pending weight update (in-flight: running sequences keep their cache and
 carry on under the new version), prefills newly admitted requests into free slots, then decodes
 one token for every running sequence (or, with an MTP module, drafts and verifies several: see
-speculative.py). Plain decoding with native.c's sampler decodes up to DECODE_RUN tokens a step in
-one native call, the same tokens as that many steps, ending early when a request or new weights
-arrive. Per generated token it records the logprob, the policy version that produced it
+speculative.py). Where the rows allow it, a step runs up to DECODE_RUN such steps in one native
+call (runs.py: the same tokens), ending early when a request or new weights arrive. Per generated token it records the logprob, the policy version that produced it
 and, per fed position, the routed experts, so RL never recomputes any of it.
 
 `submit` and `update_weights` may be called from any thread; `step` runs on one thread (the
@@ -21,6 +20,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from kiln.engine import runs
 from kiln.engine.detok import Detokenizer
 from kiln.engine.fast import FastTrunk
 from kiln.engine.fast import supports as fast_supports
@@ -28,6 +28,7 @@ from kiln.engine.kvcache import KVCache
 from kiln.engine.lookup import lookup_step
 from kiln.engine.native import (
     MAX_TOKENS,
+    NATIVE_MAX_BATCH,
     NATIVE_PREFILL,
     NativeSampler,
     NativeTrunk,
@@ -46,12 +47,6 @@ from kiln.engine.sampling import (
 )
 from kiln.engine.speculative import SpecStats, draft, spec_step
 
-# Up to this many sequences decode in one native.c call (each weight streamed once for all of them);
-# more share torch's batched matmuls.
-NATIVE_MAX_BATCH = 64
-# Plain decoding runs up to this many steps in one native.c call; a request or new weights arriving
-# end it after its current step. Streamed text comes a run at a time (~7 ms at batch 1 on 2 cores).
-DECODE_RUN = 16
 DRAFT_SHARE = 8  # the MTP drafter proposes from its 1/8 most frequent training tokens (docs: "Speculative decoding")
 log = logging.getLogger(__name__)
 
@@ -158,6 +153,7 @@ class Engine:
         self._draft_list = self.draft_ids.tolist() if self.draft_ids is not None else None
         self.native = NativeTrunk(model, lib, self.max_len, mtp, weight_dtype, self.draft_ids) if lib is not None else None
         self.sampler = NativeSampler(lib) if lib is not None else None  # untruncated rows; the rest through torch
+        self.runs = True  # several steps a native call where the rows allow it (runs.py); False: a step a call
         self.running: list[Request] = []
         self.waiting: queue.Queue[Request] = queue.Queue()
         self._pending: tuple | None = None
@@ -355,9 +351,7 @@ class Engine:
 
     def _decode(self) -> None:
         rs = self.running
-        if self.sampler is not None and len(rs) <= NATIVE_MAX_BATCH and all(untruncated(r.params) for r in rs):
-            self._decode_run(rs)
-        else:
+        if not runs.plain(self, rs):
             self._decode_step(rs)
 
     def _decode_step(self, rs: list[Request]) -> None:
@@ -366,30 +360,6 @@ class Engine:
         for i, r in enumerate(rs):
             r.length += 1
             self.emit(r, [self.sample(r, logits[i])], fed=1)
-
-    def _decode_run(self, rs: list[Request]) -> None:
-        """`_decode_step` for up to DECODE_RUN steps in one native call: the same tokens, logprobs and
-        routes, each row's generator drawn as often. Short enough that no row reaches max_tokens or
-        the cache's end before the last step; a stop id ends the call after its step."""
-        n = min(DECODE_RUN, *(min(r.params.max_tokens - len(r.tokens), self.max_len - r.length) for r in rs))
-        states = [None if r.params.greedy else r.gen.get_state() for r in rs]
-        draws = [[0.0] * n if st is None else [uniform(r.gen) for _ in range(n)] for r, st in zip(rs, states)]
-        steps, tokens, logprobs, routes = self.native.decode(
-            [r.tokens[-1] for r in rs], [r.length for r in rs], [r.params.temperature for r in rs], draws,
-            [sorted(r.stop_ids) for r in rs], n, self.cache)
-        if routes is not None and self.capture_routes:
-            routes = routes.to(torch.int16)
-        for b, r in enumerate(rs):
-            if steps < n and states[b] is not None:  # put back the draws the call did not use
-                r.gen.set_state(states[b])
-                for _ in range(steps):
-                    uniform(r.gen)
-            if routes is not None and self.capture_routes:
-                r.pending_routes = routes[:, b]
-            before = len(r.tokens)
-            r.length += steps
-            self.emit(r, list(zip(tokens[b], logprobs[b])), fed=steps)
-            r.length -= steps - (len(r.tokens) - before)  # a stop string ended it earlier
 
     def draft_tokens(self, columns: list[int]) -> list[int]:
         """The token ids of columns of the drafter's logits (its vocabulary's)."""

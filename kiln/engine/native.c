@@ -1061,3 +1061,145 @@ int kiln_decode(const Model *m, const float *norm, int B, int n, int64_t *ids, i
     }
     return n;
 }
+
+/* ---- greedy speculative decoding with the MTP drafter, several steps a call -------------------- *
+ * speculative.py's spec_step and draft for greedy rows without stop strings, up to n steps, through
+ * the same calls in the same order (so the same bits: tokens, logprobs, routes, drafts, the drafter's
+ * cache): a step feeds each row its last token and its D = depth drafts at positions length[b]..,
+ * takes the D + 1 logits rows, keeps the drafts up to the first that is not the argmax and the argmax
+ * after them (kiln_sample at T = 0), then runs the D drafter layers over the positions just verified
+ * (after the last D - 1 known ones again, from the main hidden rows kept in tail, when every row has
+ * them) and proposes the next D drafts (the argmax of each layer's head over the drafter's rows).
+ * A row finishes as the engine's emit ends it: on a stop id (kept), at max_tokens (left[b] more) or
+ * when length[b] + D reaches max_len; the call ends after the step in which one did (drafting only if
+ * another has not), or after the step in which *yield was set.
+ * In and out per row: last[b], drafts [B, D], length[b], left[b], tail [B, D - 1, dim] with tail_rows[b]
+ * (0: none) and drafted[b]; recent [B, D]: the row's known tokens at positions length[b] - D + 1 ..
+ * length[b] (the last is last[b]). Out per step s: tokens and logprobs [n, B, D + 1] (row b's first
+ * accepted[s * B + b] + 1 are its new ones), routes [n, B, D + 1, route_stride].
+ * work: kiln_spec_work_floats(...) floats; scratch as kiln_trunk's over B x 2D tokens. -> steps taken. */
+typedef struct {
+    const Model *m, *mtp;
+    const float *norm;                 /* the main final norm's weight */
+    const float *const *mtp_norms;     /* each drafter layer's head norm weight */
+    const void *draft_head;            /* the drafter's head rows (NULL: the whole head) */
+    const int64_t *draft_ids;          /* their token ids (NULL: row j is token j) */
+    int depth, draft_vocab, vocab, max_len, kv_bf16, route_stride;
+    void *k_cache, *v_cache, *mk_cache, *mv_cache; /* slot 0 of the main and the drafter's cache */
+    int64_t slot_stride, layer_stride, mslot_stride, mlayer_stride;
+} Spec;
+
+/* work's parts, in floats: main hidden rows, their logits, the drafter's input (main rows, the kept
+ * ones first) and two buffers its layers alternate between, the rows it drafts from and their logits,
+ * the sampler's; then, 8-byte aligned, int64 known tokens and token ids. */
+static int64_t spec_floats(const Spec *c, int B, int64_t *ints) {
+    const int64_t D = c->depth, dim = c->m->dim, T = D + 1, Tc = 2 * D;
+    const int64_t floats = B * T * dim + B * T * (int64_t)c->vocab + 3 * B * Tc * dim + B * dim
+                           + B * (int64_t)c->draft_vocab + c->vocab + c->vocab / 16;
+    *ints = (floats + 1) & ~(int64_t)1;
+    return floats;
+}
+
+int64_t kiln_spec_work_floats(const Spec *c, int B, int n) {
+    int64_t ints;
+    spec_floats(c, B, &ints);
+    return ints + 2 * ((int64_t)B * (c->depth + (int64_t)n * (c->depth + 1)) + 2 * (int64_t)B * 2 * c->depth);
+}
+
+int kiln_spec_decode(const Spec *c, int B, int n, int64_t *last, int64_t *drafts, int32_t *length, int32_t *left,
+                     float *tail, int32_t *tail_rows, int32_t *drafted, const int64_t *recent, const int64_t *stops,
+                     const int32_t *stop_off, int64_t *tokens, float *logprobs, int32_t *accepted, int32_t *routes,
+                     const int *yield, float *work, float *scratch) {
+    const Model *m = c->m;
+    const int D = c->depth, dim = m->dim, T = D + 1, Tc = 2 * D, V = c->vocab, cap = D + n * T;
+    int64_t ints;
+    spec_floats(c, B, &ints);
+    float *hid = work, *logits = hid + (int64_t)B * T * dim, *hc = logits + (int64_t)B * T * V;
+    float *h1 = hc + (int64_t)B * Tc * dim, *h2 = h1 + (int64_t)B * Tc * dim, *at = h2 + (int64_t)B * Tc * dim;
+    float *dl = at + (int64_t)B * dim, *sampling = dl + (int64_t)B * c->draft_vocab;
+    int64_t *hist = (int64_t *)(work + ints), *ids = hist + (int64_t)B * cap, *mids = ids + (int64_t)B * Tc;
+    int32_t hpos[B], known[B], pos[B], nv[B], lastv[B];
+    uint8_t need[B * Tc];
+    for (int b = 0; b < B; b++) {  /* row b's known tokens: hist[b][i] at position hpos[b] + i */
+        hpos[b] = length[b] - D + 1, known[b] = D;
+        memcpy(hist + (int64_t)b * cap, recent + (int64_t)b * D, (size_t)D * sizeof(int64_t));
+    }
+    for (int s = 0; s < n; s++) {
+        for (int b = 0; b < B; b++) {
+            ids[b * T] = last[b];
+            memcpy(ids + b * T + 1, drafts + (int64_t)b * D, (size_t)D * sizeof(int64_t));
+            pos[b] = length[b];
+        }
+        int64_t *tok = tokens + (int64_t)s * B * T;
+        float *lp = logprobs + (int64_t)s * B * T;
+        kiln_trunk(m, B, T, NULL, ids, pos, c->k_cache, c->v_cache, c->slot_stride, c->layer_stride, c->max_len,
+                   c->kv_bf16, hid, routes + (int64_t)s * B * T * c->route_stride, scratch);
+        kiln_head(m, c->norm, NULL, hid, B * T, V, logits, scratch);
+        int any_done = 0, all_done = 1;
+        for (int b = 0; b < B; b++) {
+            int a = 0;
+            for (;; a++) {  /* the drafts up to the first that is not the argmax, then the argmax */
+                const int64_t i = (int64_t)b * T + a;
+                tok[i] = kiln_sample(logits + i * V, V, 0.f, 0.f, -1, lp + i, sampling);
+                if (a == D || tok[i] != drafts[(int64_t)b * D + a]) break;
+            }
+            accepted[s * B + b] = a;
+            int done = 0;
+            for (int j = 0; j <= a && !done; j++) {  /* what emit keeps: up to a stop id or max_tokens */
+                const int64_t t = tok[(int64_t)b * T + j];
+                hist[(int64_t)b * cap + known[b]++] = t;
+                for (int k = stop_off[b]; k < stop_off[b + 1]; k++) done |= stops[k] == t;
+                done |= --left[b] == 0;
+            }
+            last[b] = tok[(int64_t)b * T + a];
+            length[b] += a + 1;
+            done |= length[b] + D >= c->max_len;
+            any_done |= done, all_done &= done;
+        }
+        if (!all_done) {  /* draft(): the drafter over the positions just verified */
+            int back = D - 1;
+            for (int b = 0; b < B; b++) back = length[b] - accepted[s * B + b] - 1 < back ? length[b] - accepted[s * B + b] - 1 : back;
+            for (int b = 0; b < B && back; b++) back = tail_rows[b] >= back ? back : 0;
+            const int t = T + back;
+            for (int b = 0; b < B; b++) {
+                float *h = hc + (int64_t)b * t * dim;
+                memcpy(h, tail + ((int64_t)b * (D - 1) + tail_rows[b] - back) * dim, (size_t)back * dim * sizeof(float));
+                memcpy(h + (int64_t)back * dim, hid + (int64_t)b * T * dim, (size_t)T * dim * sizeof(float));
+                pos[b] = length[b] - accepted[s * B + b] - 1 - back;
+                nv[b] = accepted[s * B + b] + 1 + back;
+                lastv[b] = nv[b] - 1;
+                for (int i = 0; i < t; i++) need[b * t + i] = i == lastv[b];
+            }
+            const float *h_in = hc;
+            for (int k = 1; k <= D; k++) {
+                for (int b = 0; b < B; b++)
+                    for (int i = 0; i < t; i++) {  /* token pos + i + k: known, else a draft so far, else 0 */
+                        const int64_t p = (int64_t)pos[b] + i + k, seen = hpos[b] + known[b];
+                        mids[b * t + i] = p < seen ? hist[(int64_t)b * cap + (p - hpos[b])]
+                                        : p - seen < k - 1 ? drafts[(int64_t)b * D + (p - seen)] : 0;
+                    }
+                float *out = k % 2 ? h1 : h2;  /* never the layer's own input, nor the kept main rows */
+                kiln_mtp_layer(c->mtp, k - 1, B, t, h_in, mids, pos, c->mk_cache, c->mv_cache, c->mslot_stride,
+                               c->mlayer_stride, c->max_len, c->kv_bf16, out, scratch, k == D ? need : NULL);
+                for (int b = 0; b < B; b++)
+                    memcpy(at + (int64_t)b * dim, out + ((int64_t)b * t + lastv[b]) * dim, (size_t)dim * sizeof(float));
+                kiln_head(m, c->mtp_norms[k - 1], c->draft_head, at, B, c->draft_vocab, dl, scratch);
+                for (int b = 0; b < B; b++) {
+                    float unused;
+                    const int64_t j = kiln_sample(dl + (int64_t)b * c->draft_vocab, c->draft_vocab, 0.f, 0.f, -1, &unused,
+                                                  sampling);
+                    drafts[(int64_t)b * D + k - 1] = c->draft_ids ? c->draft_ids[j] : j;
+                }
+                h_in = out;
+            }
+            for (int b = 0; b < B; b++) {
+                const int keep = nv[b] < D - 1 ? nv[b] : D - 1, from = nv[b] - keep;
+                memcpy(tail + (int64_t)b * (D - 1) * dim, hc + ((int64_t)b * t + from) * dim, (size_t)keep * dim * sizeof(float));
+                tail_rows[b] = keep;
+                if (pos[b] <= drafted[b]) drafted[b] = hpos[b] + known[b] - D;
+            }
+        }
+        if (any_done || __atomic_load_n(yield, __ATOMIC_RELAXED)) return s + 1;
+    }
+    return n;
+}

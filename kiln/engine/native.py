@@ -9,7 +9,7 @@ decodes with `FastTrunk` as before.
 
 The engine uses it for forwards of at most `MAX_TOKENS` tokens per sequence (decoding and
 speculative verification, so both take the same per-token arithmetic) over a batch of up to
-engine.NATIVE_MAX_BATCH sequences in one call, each weight read once for all of them; prefills
+NATIVE_MAX_BATCH sequences in one call, each weight read once for all of them; prefills
 up to NATIVE_PREFILL tokens take it MAX_TOKENS a call, longer ones go through torch, where
 matrix-matrix products win.
 """
@@ -35,6 +35,13 @@ MAX_TOKENS = 16
 # Prefills up to this many tokens go through native.c, MAX_TOKENS a call: faster than torch's up
 # to ~128 new tokens (docs: "Engine"); longer ones are matrix-matrix work, where torch wins.
 NATIVE_PREFILL = 128
+# Up to this many sequences decode in one native.c call (each weight streamed once for all of them);
+# more share torch's batched matmuls.
+NATIVE_MAX_BATCH = 64
+# Decoding (plain, or greedy with the MTP drafter) runs up to this many steps in one native.c call; a
+# request or new weights arriving end it after its current step. Streamed text comes a run at a time
+# (~7 ms of plain decoding at batch 1 on 2 cores).
+DECODE_RUN = 16
 SOURCE = Path(__file__).with_name("native.c")
 FLAGS = ["-O3", "-march=native", "-fPIC", "-shared", "-pthread"]
 _P = ctypes.POINTER(ctypes.c_float)
@@ -104,6 +111,10 @@ def build(flags: list[str] = FLAGS) -> ctypes.CDLL | None:
     lib.kiln_decode.restype = i32
     lib.kiln_decode.argtypes = [ctypes.POINTER(_Model), vp, i32, i32, vp, vp, vp, vp, vp, vp, vp, vp, i64, i64, i32, i32,
                                 i32, i32, vp, vp, vp, vp, vp, vp]
+    lib.kiln_spec_work_floats.restype = i64
+    lib.kiln_spec_work_floats.argtypes = [vp, i32, i32]
+    lib.kiln_spec_decode.restype = i32
+    lib.kiln_spec_decode.argtypes = [vp, i32, i32] + [vp] * 17
     lib.kiln_sample.restype = i64
     lib.kiln_sample.argtypes = [vp, i32, ctypes.c_float, ctypes.c_float, i64, ctypes.POINTER(ctypes.c_float), vp]
     lib.kiln_logprob.restype = ctypes.c_float
@@ -237,7 +248,7 @@ class NativeTrunk:
         self.draft_ids = draft_ids  # the drafter's vocabulary (head rows), None = all
         self._scratch = torch.empty(0)
         self._sizes: dict[tuple[int, int], int] = {}  # scratch floats by (rows, tokens)
-        self.yield_run = ctypes.c_int(0)  # nonzero: a running `decode` returns after its current step
+        self.yield_run = ctypes.c_int(0)  # nonzero: a native run (runs.py) returns after its current step
         self.refresh()
 
     def refresh(self) -> None:
@@ -277,7 +288,7 @@ class NativeTrunk:
             self._scratch = torch.empty(n)
         return self._scratch.data_ptr()
 
-    def _slots(self, starts: list[int], t: int, cache, slot: int, lens: list[int] | None = None):
+    def slots(self, starts: list[int], t: int, cache, slot: int, lens: list[int] | None = None):
         """Check a call over rows starting at positions `starts` (t tokens each, or lens[b]) in slots
         slot..; -> (their first positions as C int32s, the slots' key and value cache addresses)."""
         b = len(starts)
@@ -313,7 +324,7 @@ class NativeTrunk:
         b, t = len(ids), max(map(len, ids))
         if lens and min(lens) < 1:
             raise ValueError("every row of a ragged call needs at least one token")
-        pos0, k, v = self._slots(starts, t, cache, slot, lens)
+        pos0, k, v = self.slots(starts, t, cache, slot, lens)
         n = sum(lens) if lens else b * t
         flat = (ctypes.c_int64 * n)(*(i for row in ids for i in row))
         hidden = torch.empty(n, self.dim)
@@ -323,37 +334,6 @@ class NativeTrunk:
                             routes.data_ptr(), self.scratch(b, t))
         return hidden, (routes if self.n_moe else None)
 
-    def decode(self, last: list[int], starts: list[int], temps: list[float], uniforms: list[list[float]],
-               stops: list[list[int]], n: int, cache):
-        """Up to n plain decoding steps of the sequences in slots 0..B-1 in one call (native.c's
-        kiln_decode): row b feeds last[b] at position starts[b], then each token it draws (temperature
-        temps[b], uniform uniforms[b][s] at step s; NativeSampler's rule), stopping after the first
-        step in which a row draws one of its stops[b] or after the step in which `yield_run` was set
-        (from any thread). -> (steps, tokens [B][steps], logprobs
-        [B][steps], routes [steps, B, n_moe, k] int32 or None): the bits of as many `trunk`, `head`
-        and `NativeSampler.sample` calls."""
-        b = len(last)
-        pos0, k, v = self._slots(starts, 1, cache, 0, [n] * b)
-        ids = (ctypes.c_int64 * b)(*last)
-        u = (ctypes.c_float * (n * b))(*(row[s] for s in range(n) for row in uniforms))
-        flat = [t for row in stops for t in row]
-        off = [0]
-        for row in stops:
-            off.append(off[-1] + len(row))
-        tokens, logprobs = torch.empty(n * b, dtype=torch.int64), torch.empty(n * b)
-        per = max(self.n_moe, 1) * self.top_k
-        routes = torch.empty(n, b, max(self.n_moe, 1), self.top_k, dtype=torch.int32)
-        work = torch.empty(b * (self.dim + self.vocab) + self.vocab + self.vocab // 16)
-        steps = self.lib.kiln_decode(self.ref, self.final_norm.data_ptr(), b, n, ids, pos0,
-                                     (ctypes.c_float * b)(*temps), u, (ctypes.c_int64 * max(len(flat), 1))(*flat),
-                                     (ctypes.c_int32 * (b + 1))(*off), k, v, cache.k.stride(1), cache.k.stride(0),
-                                     cache.max_len, _bf16(cache), self.vocab, per, tokens.data_ptr(),
-                                     logprobs.data_ptr(), routes.data_ptr(), ctypes.byref(self.yield_run),
-                                     work.data_ptr(), self.scratch(b, 1))
-        tok = tokens[:steps * b].view(steps, b).t().tolist()
-        lp = logprobs[:steps * b].view(steps, b).t().tolist()
-        return steps, tok, lp, (routes[:steps] if self.n_moe else None)
-
     def mtp_layer(self, k: int, hidden: torch.Tensor, ids: list[list[int]], starts: list[int], cache, slot: int,
                   need: list[list[bool]] | None = None) -> torch.Tensor:
         """MTP layer k (0-based) over hidden [B, T, D] and the next tokens' ids [B][T], row b at
@@ -361,7 +341,7 @@ class NativeTrunk:
         ([B][T]), a MoE layer's feed-forward runs only where it is true: elsewhere only the cache
         entries are right, not the output (the drafter's last layer feeds only its drafting positions on)."""
         b, t = len(ids), len(ids[0])
-        pos0, kc, vc = self._slots(starts, t, cache, slot)
+        pos0, kc, vc = self.slots(starts, t, cache, slot)
         flat = (ctypes.c_int64 * (b * t))(*(i for row in ids for i in row))
         flags = None if need is None else (ctypes.c_uint8 * (b * t))(*(f for row in need for f in row))
         h_in = hidden.contiguous()

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from kiln.engine import runs
 from kiln.engine.native import MAX_TOKENS, NATIVE_PREFILL
 from kiln.engine.sampling import (
     argmax,
@@ -56,6 +57,8 @@ class SpecStats:
 
 def spec_step(engine) -> None:
     rs = engine.running
+    if runs.speculative(engine, rs):  # several steps in one native call
+        return
     depth = engine.mtp.depth
     starts = [r.length for r in rs]
     hidden = engine.forward(0, [[r.tokens[-1]] + r.drafts for r in rs], starts, rs)

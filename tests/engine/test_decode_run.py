@@ -1,16 +1,18 @@
-"""Plain decoding in native runs (Engine._decode_run: several steps a native.c call) against the
-engine's one-step-a-round Python loop: the same tokens, logprobs, routes, versions, finish reasons
-and text, whatever ends a row (a stop id, a stop string, max_tokens, the cache's end) and whatever
-else shares its batch."""
+"""Decoding runs (kiln/engine/runs.py: several steps a native.c call) against the engine's step at
+a time (`engine.runs = False`): the same tokens, logprobs, routes, versions, finish reasons and
+text, whatever ends a row (a stop id, a stop string, max_tokens, the cache's end) and whatever else
+shares its batch; speculatively also the same drafts, statistics and drafter cache."""
 from __future__ import annotations
 
 import os
 import shutil
 
 import pytest
+import torch
 
-from kiln.engine import Engine, SamplingParams
-from kiln.engine.engine import DECODE_RUN
+from kiln.engine import Engine, SamplingParams, runs
+from kiln.engine.native import DECODE_RUN
+from kiln.model.mtp import MTP
 from kiln.model.tokenizer import load_tokenizer
 from tests.threads import one_thread  # noqa: F401 - autouse: one torch thread in this module
 from tests.tiny_model import tiny_model
@@ -20,59 +22,106 @@ pytestmark = pytest.mark.skipif(not HAVE_CC, reason="no C compiler: the engine d
 
 
 @pytest.fixture(scope="module")
-def model():
-    return tiny_model(0)[0]
+def models():
+    return tiny_model(0)
 
 
-def generate(model, tok, prompts, params, runs: bool, max_batch=8, max_len=None):
-    """-> (each completion's fields, native runs made)."""
-    engine = Engine(model, tok, max_batch=max_batch, max_len=max_len, version=2)
+@pytest.fixture
+def counted(monkeypatch):
+    """The runs made, by kind."""
+    made = {"plain": 0, "speculative": 0}
+    for name in made:
+        def counting(engine, rs, name=name, real=getattr(runs, name)):
+            ran = real(engine, rs)
+            made[name] += ran
+            return ran
+        monkeypatch.setattr(runs, name, counting)
+    return made
+
+
+def generate(model, tok, prompts, params, use_runs: bool, **kw):
+    """-> (each completion's fields, the engine)."""
+    engine = Engine(model, tok, version=2, **kw)
     assert engine.native is not None
-    calls = []
-    if runs:
-        decode = engine.native.decode
-        engine.native.decode = lambda *a, **k: calls.append(1) or decode(*a, **k)
-    else:
-        engine._decode_run = engine._decode_step
+    engine.runs = use_runs
     outs = engine.generate(prompts, params)
-    return [(c.token_ids, c.logprobs, c.routes, c.versions, c.finish_reason, c.text) for c in outs], len(calls)
+    return [(c.token_ids, c.logprobs, c.routes, c.versions, c.finish_reason, c.text) for c in outs], engine
 
 
-def test_runs_equal_step_by_step_decoding(tiny_checkpoint, model):
-    tok = load_tokenizer(tiny_checkpoint)
+def test_plain_runs_equal_steps(tiny_checkpoint, models, counted):
+    model, tok = models[0], load_tokenizer(tiny_checkpoint)
     prompts = [tok.encode(t) for t in ("def main():\n    return", "import os\n", "class A:\n    x = [", "# a")]
     free = [SamplingParams(temperature=0, max_tokens=45, stop_token_ids=()),
             SamplingParams(temperature=0.8, max_tokens=60, seed=1, stop_token_ids=()),
             SamplingParams(temperature=1.0, max_tokens=60, seed=2, stop_token_ids=()),
             SamplingParams(temperature=0.7, max_tokens=23, seed=3, stop_token_ids=())]
-    (_, sampled, other, _), _ = generate(model, tok, prompts, free, runs=False)
+    (_, sampled, other, _), _ = generate(model, tok, prompts, free, False)
     # Row 1 ends on a stop id mid-run, row 2 on a stop string; rows 0 and 3 carry on past both.
     stop_id, text = sampled[0][21], other[5]
     stop_text = text[len(text) // 3: len(text) // 3 + 3]
     params = [free[0], SamplingParams(temperature=0.8, max_tokens=60, seed=1, stop_token_ids=(stop_id,)),
               SamplingParams(temperature=1.0, max_tokens=60, seed=2, stop_token_ids=(), stop=(stop_text,)), free[3]]
     for max_batch in (1, 4):
-        want, _ = generate(model, tok, prompts, params, runs=False, max_batch=max_batch)
-        got, calls = generate(model, tok, prompts, params, runs=True, max_batch=max_batch)
+        want, _ = generate(model, tok, prompts, params, False, max_batch=max_batch)
+        assert counted["plain"] == 0
+        got, _ = generate(model, tok, prompts, params, True, max_batch=max_batch)
         assert got == want
         assert [c[4] for c in got] == ["length", "stop", "stop", "length"]
         assert len(got[1][0]) == sampled[0].index(stop_id) + 1 < 60 and len(got[2][0]) < 60
-        assert calls < sum(len(c[0]) for c in got) / 4  # most steps ran in runs
+        assert 0 < counted["plain"] < sum(len(c[0]) for c in got) / 4  # most steps ran in runs
+        counted["plain"] = 0
 
 
-def test_runs_stop_at_the_cache_end(model):
+def test_plain_runs_stop_at_the_cache_end(models):
     prompts = [[5, 17, 3], [40, 41, 42, 43, 44, 45, 46, 47, 48]]
     params = [SamplingParams(temperature=0, max_tokens=100), SamplingParams(temperature=0.9, max_tokens=100, seed=4)]
-    want, _ = generate(model, None, prompts, params, runs=False, max_len=DECODE_RUN + 20)
-    got, _ = generate(model, None, prompts, params, runs=True, max_len=DECODE_RUN + 20)
+    want, _ = generate(models[0], None, prompts, params, False, max_len=DECODE_RUN + 20)
+    got, _ = generate(models[0], None, prompts, params, True, max_len=DECODE_RUN + 20)
     assert got == want and [c[4] for c in got] == ["length", "length"]
     # every position of the cache fed, and the last token (never fed) after them
     assert [len(p) + len(c[0]) for p, c in zip(prompts, got)] == [DECODE_RUN + 21] * 2
 
 
-def test_new_weights_or_a_request_end_a_run_after_its_step(model):
+def drafter(model, mtp: MTP, depth: int, favoured: list[int]) -> MTP:
+    """The tiny MTP's layers as `depth` layers (the last repeated), counting `favoured` as its most
+    frequent tokens: with the draft vocabulary those, the untrained drafter's drafts are often right."""
+    out = MTP(model.config, depth).eval()
+    for k in range(depth):
+        out.layers[k].load_state_dict(mtp.layers[min(k, mtp.depth - 1)].state_dict())
+    out.token_counts.zero_()
+    out.token_counts[torch.tensor(favoured)] = torch.arange(len(favoured), 0, -1)
+    return out
+
+
+@pytest.mark.parametrize("depth", [1, 2, 3])
+def test_speculative_runs_equal_steps(models, depth, counted):
+    model, mtp = models
+    prompts = [[5, 17, 3], [40, 41, 42, 43, 44, 45, 46, 47, 48], [7] * 17, [300, 2, 9, 11, 13], [1]]
+    lengths = [40, 26, 9, 37, 50]
+    params = [SamplingParams(temperature=0, max_tokens=n, stop_token_ids=()) for n in lengths]
+    plain, _ = generate(model, None, prompts, params, True)
+    # Drafting only greedy's most frequent token: row 3 repeats it, so its drafts are mostly accepted.
+    favoured = [max(range(512), key=lambda x: sum(c[0].count(x) for c in plain))]
+    # a stop id in the middle of row 1's output; the cache's end cuts row 4 short
+    stop = next(t for i, t in enumerate(plain[1][0]) if i >= 15 and t not in plain[1][0][:i])
+    params[1] = SamplingParams(temperature=0, max_tokens=40, stop_token_ids=(stop,))
+    kw = dict(mtp=drafter(model, mtp, depth, favoured), draft_vocab=1, max_batch=3, max_len=48, prefix_slots=4)
+    want, steps = generate(model, None, prompts, params, False, **kw)
+    assert counted["speculative"] == 0
+    got, ran = generate(model, None, prompts, params, True, **kw)
+    assert got == want and 0 < counted["speculative"] < ran.spec_stats.steps
+    assert [c[0] for c in got] == [c[0][:len(g[0])] for c, g in zip(plain, got)]  # plain greedy's tokens
+    assert [c[4] for c in got] == ["length", "stop", "length", "length", "length"] and len(got[4][0]) < 50
+    assert vars(ran.spec_stats) == vars(steps.spec_stats) and ran.spec_stats.accepted[depth - 1] >= 5
+    # the drafter's cache and what the prefix cache kept of it, bit for bit
+    assert torch.equal(ran.mtp_cache.k, steps.mtp_cache.k) and torch.equal(ran.mtp_cache.v, steps.mtp_cache.v)
+    assert [e.drafted for e in ran.prefix.entries] == [e.drafted for e in steps.prefix.entries]
+
+
+def test_new_weights_or_a_request_end_a_run_after_its_step(models):
     """update_weights and submit (from any thread) set the flag a native run checks after each step,
     so what arrives waits one step, not a run; step() clears it first."""
+    model = models[0]
     engine = Engine(model, max_batch=4)
     engine.submit([5, 17, 3], SamplingParams(temperature=0, max_tokens=100))
     engine.step()  # prefilled, then a whole run
@@ -82,7 +131,7 @@ def test_new_weights_or_a_request_end_a_run_after_its_step(model):
         r = engine.running[0]
         before = len(r.tokens)
         arrive()
-        engine._decode_run(engine.running)  # what step() would run, with the arrival not yet taken
+        runs.plain(engine, engine.running)  # what step() would run, with the arrival not yet taken
         assert len(r.tokens) == before + 1
         engine.step()  # takes it, then runs again
         assert len(r.tokens) == before + 1 + DECODE_RUN

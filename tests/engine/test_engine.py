@@ -232,7 +232,7 @@ def test_weight_swap_during_a_batch_of_8_completes_all_with_new_version():
     new = perturbed(model)
     prompts = [[10 + i, 20 + 2 * i, 30 + 3 * i][: 1 + i % 3] + [i] * (i % 4) for i in range(8)]
     engine = Engine(model, max_batch=8)
-    engine._decode_run = engine._decode_step  # a token a step, so the swap lands after token 4
+    engine.runs = False  # a token a step, so the swap lands after token 4
     reqs = [engine.submit(p, SamplingParams(temperature=0, max_tokens=12)) for p in prompts]
     for _ in range(3):  # the first step prefills (token 0) and decodes (token 1); then one each
         engine.step()

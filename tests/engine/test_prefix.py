@@ -114,7 +114,7 @@ def test_carried_turns_serve_only_their_own_conversation_after_new_weights():
 def test_a_sequence_running_across_new_weights_is_kept_for_its_conversation_only():
     model = tiny_model(0)[0]
     engine = Engine(model, max_batch=1, prefix_slots=2)
-    engine._decode_run = engine._decode_step  # a token a step, so the swap lands mid-generation
+    engine.runs = False  # a token a step, so the swap lands mid-generation
     r = engine.submit(SYSTEM + [11, 12], SamplingParams(temperature=0.0, max_tokens=6))
     engine.step()  # prefilled under version 0
     engine.update_weights(perturbed(model), version=1)

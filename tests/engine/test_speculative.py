@@ -87,6 +87,7 @@ def test_a_draft_vocabulary_changes_the_drafts_never_the_output(models, monkeypa
     monkeypatch.setattr(engine_module, "draft", spy)
     for favoured in (wanted, others):
         engine = Engine(model, mtp=with_counts(mtp, favoured), draft_vocab=len(favoured))
+        engine.runs = False  # every step's drafts through the spied draft()
         assert engine.draft_ids.tolist() == sorted(favoured)
         proposed.clear()
         spec = engine.generate(PROMPTS, params)
@@ -136,6 +137,7 @@ def test_native_drafts_over_a_long_prompt_equal_torch_drafts(models):
     drafts = []
     for native in (True, False):
         engine = Engine(model, mtp=mtp, max_batch=1, native=native)
+        engine.runs = False  # one speculative step, as the torch engine's
         r = engine.submit(list(range(40, 80)), SamplingParams(temperature=0, max_tokens=8))
         engine.step()  # admission (prefill, first token, drafts over the prompt), then one speculative step
         drafts.append(list(r.drafts))
@@ -176,6 +178,7 @@ def test_accepted_drafts_are_emitted_and_counted(models, monkeypatch):
     monkeypatch.setattr(speculative, "draft", oracle_drafter(cont))
     monkeypatch.setattr(engine_module, "draft", oracle_drafter(cont))
     engine = Engine(model, mtp=mtp, max_batch=3)
+    engine.runs = False  # every step's drafts from the oracle (a native run drafts with the MTP)
     outs = engine.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=13))
     for prompt, c in zip(PROMPTS, outs):
         assert c.token_ids == cont[tuple(prompt)][:13]
@@ -188,6 +191,7 @@ def test_accepted_drafts_are_emitted_and_counted(models, monkeypatch):
     monkeypatch.setattr(speculative, "draft", wrong)
     monkeypatch.setattr(engine_module, "draft", wrong)
     engine = Engine(model, mtp=mtp, max_batch=3)
+    engine.runs = False
     outs = engine.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=13))
     for prompt, c in zip(PROMPTS, outs):
         assert c.token_ids == cont[tuple(prompt)][:13]
@@ -211,6 +215,7 @@ def test_stop_inside_an_accepted_run_drops_the_rest(models, monkeypatch):
                  (SamplingParams(temperature=0, max_tokens=8, stop_token_ids=()), 8, "length")]
         for params, n, reason in cases:
             engine = Engine(model, mtp=mtp)
+            engine.runs = False  # the oracle's drafts at every step
             r = engine.submit(prompt, params, stream=True)
             while engine.busy:
                 engine.step()

@@ -1,0 +1,163 @@
+"""Decoding runs: several of the engine's steps in one native.c call.
+
+Between two steps the engine's Python (the next call's arguments, sampling's bookkeeping, emit)
+runs cold, right after a native call has streamed the weights through the caches: at batch 1 it
+was about a third of a plain token's time. Where every running row allows it, a step hands native.c
+up to DECODE_RUN steps at once, which chain the same calls in the same order (kiln_trunk, kiln_head,
+kiln_sample, kiln_mtp_layer), so tokens, logprobs, routes and drafts are the bits as many steps give:
+
+- `plain` (Engine._decode): rows without top-k or top-p (native.c's sampler). A sampled row's
+  uniforms are drawn ahead; those a stop left unused are put back.
+- `speculative` (spec_step): greedy rows without stop strings, with the MTP drafter.
+
+A run ends after the step in which a row finishes by a stop id (speculative: any way emit ends it),
+or in which a request or new weights arrived (`NativeTrunk.yield_run`, which submit and
+update_weights set): what arrives still waits one step.
+"""
+from __future__ import annotations
+
+import ctypes
+
+import torch
+
+from kiln.engine.native import DECODE_RUN, MAX_TOKENS, NATIVE_MAX_BATCH, _bf16
+from kiln.engine.sampling import uniform, untruncated
+
+
+def plain(engine, rs) -> bool:
+    """Up to DECODE_RUN plain steps of the running rows in one call, if they all allow it -> whether it
+    ran. Short enough that no row reaches max_tokens or the cache's end before the last step."""
+    native = engine.native
+    if not engine.runs or native is None or len(rs) > NATIVE_MAX_BATCH or not all(untruncated(r.params) for r in rs):
+        return False
+    b = len(rs)
+    n = min(DECODE_RUN, *(min(r.params.max_tokens - len(r.tokens), engine.max_len - r.length) for r in rs))
+    states = [None if r.params.greedy else r.gen.get_state() for r in rs]
+    u = (ctypes.c_float * (n * b))(*(0.0 if st is None else uniform(r.gen) for _ in range(n) for r, st in zip(rs, states)))
+    pos0, k, v = native.slots([r.length for r in rs], 1, engine.cache, 0, [n] * b)
+    stops, off = _stops(rs)
+    tokens, logprobs = torch.empty(n, b, dtype=torch.int64), torch.empty(n, b)
+    routes = _routes(native, n, b)
+    work = torch.empty(b * (native.dim + native.vocab) + native.vocab + native.vocab // 16)
+    steps = native.lib.kiln_decode(
+        native.ref, native.final_norm.data_ptr(), b, n, (ctypes.c_int64 * b)(*(r.tokens[-1] for r in rs)), pos0,
+        (ctypes.c_float * b)(*(r.params.temperature for r in rs)), u, stops, off, k, v, engine.cache.k.stride(1),
+        engine.cache.k.stride(0), engine.cache.max_len, _bf16(engine.cache), native.vocab, routes[0, 0].numel(),
+        tokens.data_ptr(), logprobs.data_ptr(), routes.data_ptr(), ctypes.byref(native.yield_run), work.data_ptr(),
+        native.scratch(b, 1))
+    toks, lps = tokens[:steps].t().tolist(), logprobs[:steps].t().tolist()
+    routes = routes[:steps].to(torch.int16) if native.n_moe and engine.capture_routes else None
+    for i, (r, st) in enumerate(zip(rs, states)):
+        if steps < n and st is not None:  # put back the draws the run did not use
+            r.gen.set_state(st)
+            for _ in range(steps):
+                uniform(r.gen)
+        _emit(engine, r, list(zip(toks[i], lps[i])), steps, None if routes is None else routes[:, i])
+    return True
+
+
+def speculative(engine, rs) -> bool:
+    """Up to DECODE_RUN speculative steps (spec_step, then draft) of greedy rows without stop strings
+    in one call -> whether it ran."""
+    native, mtp = engine.native, engine.mtp
+    depth = mtp.depth
+    if not engine.runs or native is None or len(rs) > NATIVE_MAX_BATCH or 2 * depth > MAX_TOKENS \
+            or not all(r.params.greedy and not r.params.stop and len(r.drafts) == depth for r in rs):
+        return False
+    b, n, dim, t = len(rs), DECODE_RUN, native.dim, depth + 1
+    spec = _spec(engine)
+    i64, i32 = ctypes.c_int64, ctypes.c_int32
+    last = (i64 * b)(*(r.tokens[-1] for r in rs))
+    drafts = (i64 * (b * depth))(*(d for r in rs for d in r.drafts))
+    length = (i32 * b)(*(r.length for r in rs))
+    left = (i32 * b)(*(r.params.max_tokens - len(r.tokens) for r in rs))
+    tail = torch.empty(b, max(depth - 1, 1), dim)
+    for i, r in enumerate(rs):
+        if r.mtp_tail is not None:
+            tail[i, :r.mtp_tail.shape[0]] = r.mtp_tail
+    tail_rows = (i32 * b)(*(0 if r.mtp_tail is None else r.mtp_tail.shape[0] for r in rs))
+    drafted = (i32 * b)(*(r.drafted for r in rs))
+    recent = (i64 * (b * depth))(*(x for r in rs for x in _recent(r, depth)))
+    stops, off = _stops(rs)
+    tokens, logprobs = torch.empty(n, b, t, dtype=torch.int64), torch.empty(n, b, t)
+    accepted = torch.empty(n, b, dtype=torch.int32)
+    routes = _routes(native, n, b * t)
+    work = torch.empty(native.lib.kiln_spec_work_floats(ctypes.byref(spec), b, n))
+    steps = native.lib.kiln_spec_decode(
+        ctypes.byref(spec), b, n, last, drafts, length, left, tail.data_ptr(), tail_rows, drafted, recent, stops, off,
+        tokens.data_ptr(), logprobs.data_ptr(), accepted.data_ptr(), routes.data_ptr(), ctypes.byref(native.yield_run),
+        work.data_ptr(), native.scratch(b, 2 * depth))
+    toks, lps, acc = tokens[:steps].tolist(), logprobs[:steps].tolist(), accepted[:steps].tolist()
+    routes = routes[:steps].view(steps, b, t, *routes.shape[2:]) if native.n_moe and engine.capture_routes else None
+    stats = engine.spec_stats
+    for i, r in enumerate(rs):
+        new, fed = [], []
+        for s in range(steps):
+            a = acc[s][i]
+            new += zip(toks[s][i][:a + 1], lps[s][i][:a + 1])
+            stats.steps += 1
+            for j in range(min(a + 1, depth)):
+                stats.proposed[j] += 1
+            for j in range(a):
+                stats.accepted[j] += 1
+            if routes is not None:
+                fed.append(routes[s, i, :a + 1])
+        _emit(engine, r, new, len(new), torch.cat(fed).to(torch.int16) if fed else None)
+        r.length = length[i]  # as spec_step: every verified position, whatever emit kept
+        r.drafts, r.draft_probs = list(drafts[i * depth:(i + 1) * depth]), [None] * depth
+        r.mtp_tail = tail[i, :tail_rows[i]] if tail_rows[i] else None
+        r.drafted = drafted[i]
+    return True
+
+
+def _emit(engine, r, new: list, fed: int, routes: torch.Tensor | None) -> None:
+    """emit a run's tokens as one step with `fed` new positions would (r.length counts them; fewer
+    when a stop string ended the row early)."""
+    if routes is not None:
+        r.pending_routes = routes
+    before = len(r.tokens)
+    r.length += fed
+    engine.emit(r, new, fed=fed)
+    r.length -= fed - (len(r.tokens) - before)
+
+
+def _stops(rs):
+    """Each row's stop ids, flat, and where each row's begin (C int64s, int32s)."""
+    flat = [t for r in rs for t in sorted(r.stop_ids)]
+    off = [0]
+    for r in rs:
+        off.append(off[-1] + len(r.stop_ids))
+    return (ctypes.c_int64 * max(len(flat), 1))(*flat), (ctypes.c_int32 * len(off))(*off)
+
+
+def _routes(native, n: int, rows: int) -> torch.Tensor:
+    return torch.empty(n, rows, max(native.n_moe, 1), native.top_k, dtype=torch.int32)
+
+
+def _recent(r, depth: int) -> list[int]:
+    """r's last `depth` known tokens (positions r.length - depth + 1 .. r.length), 0 before its start."""
+    seq = (r.prompt_ids + r.tokens)[-depth:]
+    return [0] * (depth - len(seq)) + seq
+
+
+class _Spec(ctypes.Structure):
+    """native.c's Spec: the drafter and both caches, as kiln_spec_decode reads them."""
+    _fields_ = [("m", ctypes.c_void_p), ("mtp", ctypes.c_void_p), ("norm", ctypes.c_void_p),
+                ("mtp_norms", ctypes.c_void_p), ("draft_head", ctypes.c_void_p), ("draft_ids", ctypes.c_void_p)] \
+        + [(f, ctypes.c_int) for f in ("depth", "draft_vocab", "vocab", "max_len", "kv_bf16", "route_stride")] \
+        + [(f, ctypes.c_void_p) for f in ("k_cache", "v_cache", "mk_cache", "mv_cache")] \
+        + [(f, ctypes.c_int64) for f in ("slot_stride", "layer_stride", "mslot_stride", "mlayer_stride")]
+
+
+def _spec(engine) -> _Spec:
+    native, mtp, cache, mcache = engine.native, engine.mtp, engine.cache, engine.mtp_cache
+    norms = (ctypes.c_void_p * mtp.depth)(*(layer.norm.weight.data_ptr() for layer in mtp.layers))
+    ids = None if engine.draft_ids is None else engine.draft_ids.to(torch.int64).contiguous()
+    spec = _Spec(ctypes.addressof(native.struct), ctypes.addressof(native.mtp_struct), native.final_norm.data_ptr(),
+                 ctypes.addressof(norms), None if ids is None else native.draft_head.data_ptr(),
+                 None if ids is None else ids.data_ptr(), mtp.depth, native.vocab if ids is None else len(ids),
+                 native.vocab, cache.max_len, _bf16(cache), max(native.n_moe, 1) * native.top_k,
+                 cache.k.data_ptr(), cache.v.data_ptr(), mcache.k.data_ptr(), mcache.v.data_ptr(),
+                 cache.k.stride(1), cache.k.stride(0), mcache.k.stride(1), mcache.k.stride(0))
+    spec._keep = (norms, ids)  # what it points into lives as long as it does
+    return spec
