@@ -30,12 +30,16 @@ def models():
 def counted(monkeypatch):
     """The runs made, by kind."""
     made = {"plain": 0, "speculative": 0}
-    for name in made:
-        def counting(engine, rs, name=name, real=getattr(runs, name)):
+
+    def counted_run(name, real):
+        def run(engine, rs):
             ran = real(engine, rs)
             made[name] += ran
             return ran
-        monkeypatch.setattr(runs, name, counting)
+        return run
+
+    for name in made:
+        monkeypatch.setattr(runs, name, counted_run(name, getattr(runs, name)))
     return made
 
 
@@ -105,7 +109,7 @@ def test_speculative_runs_equal_steps(models, depth, counted):
     # a stop id in the middle of row 1's output; the cache's end cuts row 4 short
     stop = next(t for i, t in enumerate(plain[1][0]) if i >= 15 and t not in plain[1][0][:i])
     params[1] = SamplingParams(temperature=0, max_tokens=40, stop_token_ids=(stop,))
-    kw = dict(mtp=drafter(model, mtp, depth, favoured), draft_vocab=1, max_batch=3, max_len=48, prefix_slots=4)
+    kw = {"mtp": drafter(model, mtp, depth, favoured), "draft_vocab": 1, "max_batch": 3, "max_len": 48, "prefix_slots": 4}
     want, steps = generate(model, None, prompts, params, False, **kw)
     assert counted["speculative"] == 0
     got, ran = generate(model, None, prompts, params, True, **kw)
