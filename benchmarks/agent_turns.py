@@ -64,7 +64,6 @@ def replay(engine: Engine, convs, batch: int, cap: int) -> list[list[int]]:
     """Every conversation's turns through `engine`, `batch` conversations at a time; -> tokens."""
     if engine.prefix is not None:
         engine.prefix.clear()
-        engine.prefix.hits = engine.prefix.reused_tokens = 0
     if engine.mtp is not None:
         engine.spec_stats = SpecStats(engine.mtp.depth)
     out = []

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import torch
 
+from kiln.engine import runs
 from kiln.engine.speculative import verify
 
 # The n-gram a draft is looked up by. On the rollouts of benchmarks/rl_async.py (docs/architecture.md,
@@ -38,6 +39,8 @@ def lookup_step(engine) -> None:
     """One decoding step of every running sequence with prompt-lookup drafts (plain when no row has
     any): each row is fed its last token and its own drafts. Drafts stop short of the cache's end."""
     rs = engine.running
+    if runs.lookup(engine, rs, N):  # several steps in one native call
+        return
     drafts = [propose(r, min(engine.lookup, engine.max_len - r.length - 1)) for r in rs]
     if not any(drafts):  # one step, not a native run: a row may find a draft after its next token
         engine._decode_step(rs)

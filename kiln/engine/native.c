@@ -1203,3 +1203,116 @@ int kiln_spec_decode(const Spec *c, int B, int n, int64_t *last, int64_t *drafts
     }
     return n;
 }
+
+/* ---- prompt-lookup decoding, several steps a call ---------------------------------------------- *
+ * lookup.py's lookup_step, up to n steps, for rows without top-k, top-p or stop strings, through the
+ * same calls in the same order (so the same bits). A step proposes each row up to min(lookup,
+ * max_len - length[b] - 1) drafts: the tokens after the latest earlier occurrence of its last N
+ * known tokens. With none anywhere it is a plain step (a token a row); else each row is fed its last
+ * token and its drafts (one ragged kiln_trunk), and verify's rule for point-mass drafts picks its new
+ * tokens: greedy, the drafts up to the first that is not the argmax, then the argmax; sampled, draft d
+ * kept while the next uniform is below p(d), else a token drawn without d (with d if nothing else has
+ * mass), and one drawn after the last kept draft. Uniforms come from u [B, per_row] in order (used[b]
+ * counts them). Rows end as emit ends them (a stop id, kept; max_tokens: left[b] more; the cache's
+ * end); the call ends after the step in which one did, or in which *yield was set.
+ * hist [B, cap]: each row's known tokens (prompt and completion), known[b] of them, extended in place;
+ * length[b]: its positions in the cache. Out per step s and row b (index s * B + b): fed[] the
+ * tokens fed (1 + drafts), kept[] how many new tokens (a + 1); tokens, logprobs and routes [.., L + 1]
+ * of them (routes route_stride ints a token: the fed positions' experts).
+ * work: kiln_lookup_work_floats(...); scratch as kiln_trunk's over B x (lookup + 1) tokens. -> steps. */
+typedef struct { int64_t hidden, logits, sampling, routes, ids, total; } LookupWork;
+
+static LookupWork lookup_work(const Model *m, int B, int lookup, int vocab, int route_stride) {
+    const int64_t N = (int64_t)B * (lookup + 1);
+    LookupWork w;
+    w.hidden = 0;
+    w.logits = w.hidden + N * m->dim;
+    w.sampling = w.logits + N * vocab;
+    w.routes = (w.sampling + vocab + vocab / 16 + 1) & ~(int64_t)1;  /* int32s, then 8-byte aligned int64s */
+    w.ids = (w.routes + N * route_stride + 1) & ~(int64_t)1;
+    w.total = w.ids + 2 * N;
+    return w;
+}
+
+int64_t kiln_lookup_work_floats(const Model *m, int B, int lookup, int vocab, int route_stride) {
+    return lookup_work(m, B, lookup, vocab, route_stride).total;
+}
+
+int kiln_lookup_decode(const Model *m, const float *norm, int B, int n, int lookup, int ngram, int64_t *hist,
+                       int32_t *known, int cap, int32_t *length, int32_t *left, const float *temps, const float *u,
+                       int per_row, int32_t *used, const int64_t *stops, const int32_t *stop_off, void *k_cache,
+                       void *v_cache, int64_t slot_stride, int64_t layer_stride, int max_len, int kv_bf16, int vocab,
+                       int route_stride, int32_t *fed, int32_t *kept, int64_t *tokens, float *logprobs,
+                       int32_t *routes, const int *yield, float *work, float *scratch) {
+    const int T = lookup + 1, V = vocab;
+    const LookupWork w = lookup_work(m, B, lookup, vocab, route_stride);
+    float *hidden = work + w.hidden, *logits = work + w.logits, *sampling = work + w.sampling;
+    int32_t *step_routes = (int32_t *)(work + w.routes), lens[B], pos[B], off[B + 1];
+    int64_t *ids = (int64_t *)(work + w.ids);
+    for (int s = 0; s < n; s++) {
+        off[0] = 0;
+        for (int b = 0; b < B; b++) {  /* propose: what followed the latest earlier occurrence of the last N */
+            const int64_t *h = hist + (int64_t)b * cap;
+            const int k = known[b], depth = lookup < max_len - length[b] - 1 ? lookup : max_len - length[b] - 1;
+            int at = -1;
+            for (int i = k - 1; depth > 0 && i >= ngram && at < 0; i--) {
+                int same = 1;
+                for (int j = 0; j < ngram && same; j++) same = h[i - ngram + j] == h[k - ngram + j];
+                if (same) at = i;
+            }
+            lens[b] = 1 + (at < 0 ? 0 : k - at < depth ? k - at : depth), pos[b] = length[b];
+            fed[s * B + b] = lens[b];
+            ids[off[b]] = h[k - 1];
+            for (int j = 1; j < lens[b]; j++) ids[off[b] + j] = h[at + j - 1];
+            off[b + 1] = off[b] + lens[b];
+        }
+        int most = 1;
+        for (int b = 0; b < B; b++) most = lens[b] > most ? lens[b] : most;
+        kiln_trunk(m, B, most, lens, ids, pos, k_cache, v_cache, slot_stride, layer_stride, max_len, kv_bf16, hidden,
+                   step_routes, scratch);
+        kiln_head(m, norm, NULL, hidden, off[B], V, logits, scratch);
+        int ended = 0;
+        for (int b = 0; b < B; b++) {
+            const int d = lens[b] - 1, i0 = s * B + b;
+            const float t = temps[b];
+            const float *ub = u + (int64_t)b * per_row;
+            int64_t *tok = tokens + (int64_t)i0 * T;
+            float *lp = logprobs + (int64_t)i0 * T;
+            int a = 0;
+            for (;; a++) {
+                const float *x = logits + (int64_t)(off[b] + a) * V;
+                if (t <= 0.f) {  /* greedy */
+                    tok[a] = kiln_sample(x, V, 0.f, 0.f, -1, lp + a, sampling);
+                    if (a == d || tok[a] != ids[off[b] + 1 + a]) break;
+                    continue;
+                }
+                if (a == d) {  /* after the last kept draft */
+                    tok[a] = kiln_sample(x, V, t, ub[used[b]++], -1, lp + a, sampling);
+                    break;
+                }
+                const int64_t dr = ids[off[b] + 1 + a];
+                const float l = kiln_logprob(x, V, t, dr, sampling);
+                if ((double)ub[used[b]++] < exp((double)l)) {
+                    tok[a] = dr, lp[a] = l;
+                    continue;
+                }
+                tok[a] = kiln_sample(x, V, t, ub[used[b]++], dr, lp + a, sampling);
+                if (tok[a] < 0) tok[a] = kiln_sample(x, V, t, ub[used[b]++], -1, lp + a, sampling);
+                break;
+            }
+            kept[i0] = a + 1;
+            memcpy(routes + (int64_t)i0 * T * route_stride, step_routes + (int64_t)off[b] * route_stride,
+                   (size_t)(a + 1) * route_stride * sizeof(int32_t));
+            int done = 0;
+            for (int j = 0; j <= a && !done; j++) {  /* what emit keeps: up to a stop id or max_tokens */
+                hist[(int64_t)b * cap + known[b]++] = tok[j];
+                for (int q = stop_off[b]; q < stop_off[b + 1]; q++) done |= stops[q] == tok[j];
+                done |= --left[b] == 0;
+            }
+            length[b] += a + 1;
+            ended |= done || length[b] >= max_len;
+        }
+        if (ended || __atomic_load_n(yield, __ATOMIC_RELAXED)) return s + 1;
+    }
+    return n;
+}

@@ -115,6 +115,11 @@ def build(flags: list[str] = FLAGS) -> ctypes.CDLL | None:
     lib.kiln_spec_work_floats.argtypes = [vp, i32, i32]
     lib.kiln_spec_decode.restype = i32
     lib.kiln_spec_decode.argtypes = [vp, i32, i32] + [vp] * 17
+    lib.kiln_lookup_work_floats.restype = i64
+    lib.kiln_lookup_work_floats.argtypes = [ctypes.POINTER(_Model), i32, i32, i32, i32]
+    lib.kiln_lookup_decode.restype = i32
+    lib.kiln_lookup_decode.argtypes = [ctypes.POINTER(_Model), vp, i32, i32, i32, i32, vp, vp, i32, vp, vp, vp, vp, i32,
+                                       vp, vp, vp, vp, vp, i64, i64, i32, i32, i32, i32] + [vp] * 8
     lib.kiln_sample.restype = i64
     lib.kiln_sample.argtypes = [vp, i32, ctypes.c_float, ctypes.c_float, i64, ctypes.POINTER(ctypes.c_float), vp]
     lib.kiln_logprob.restype = ctypes.c_float

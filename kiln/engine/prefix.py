@@ -51,6 +51,11 @@ class PrefixCache:
         self._clock = itertools.count()
         self.hits = self.reused_tokens = 0
 
+    def clear(self) -> None:
+        """Forget every entry and the hit counts (a benchmark's arms start from empty caches)."""
+        self.entries = [None] * len(self.entries)
+        self.hits = self.reused_tokens = 0
+
     def park(self, cache: KVCache, slot: int, tokens: list[int], routes: list | None,
              drafter: KVCache | None = None, drafted: int = 0, version: int | None = None) -> None:
         """Keep the first len(tokens) positions of `cache`'s `slot`, which hold `tokens`; routes:

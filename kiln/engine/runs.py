@@ -9,6 +9,9 @@ kiln_sample, kiln_mtp_layer), so tokens, logprobs, routes and drafts are the bit
 - `plain` (Engine._decode): rows without top-k or top-p (native.c's sampler). A sampled row's
   uniforms are drawn ahead; those a stop left unused are put back.
 - `speculative` (spec_step): greedy rows without stop strings, with the MTP drafter.
+- `lookup` (lookup_step): rows without top-k, top-p or stop strings (an RL worker's), with prompt
+  lookup's drafts (the latest earlier occurrence of a row's last N tokens, searched in C). A sampled
+  row's generator hands over a pool of uniforms; those the run did not use are put back.
 
 A run ends after the step in which a row finishes by a stop id (speculative: any way emit ends it),
 or in which a request or new weights arrived (`NativeTrunk.yield_run`, which submit and
@@ -107,6 +110,65 @@ def speculative(engine, rs) -> bool:
         r.drafts, r.draft_probs = list(drafts[i * depth:(i + 1) * depth]), [None] * depth
         r.mtp_tail = tail[i, :tail_rows[i]] if tail_rows[i] else None
         r.drafted = drafted[i]
+    return True
+
+
+def lookup(engine, rs, ngram: int) -> bool:
+    """Up to DECODE_RUN prompt-lookup steps (lookup_step, drafts found by the last `ngram` tokens) of
+    rows without top-k, top-p or stop strings in one call -> whether it ran."""
+    native, depth = engine.native, engine.lookup
+    if not engine.runs or native is None or len(rs) > NATIVE_MAX_BATCH or depth + 1 > MAX_TOKENS \
+            or not all(untruncated(r.params) and not r.params.stop for r in rs):
+        return False
+    b, n, t = len(rs), DECODE_RUN, depth + 1
+    i32 = ctypes.c_int32
+    seqs = [r.prompt_ids + r.tokens for r in rs]
+    cap = max(map(len, seqs)) + n * t
+    hist = torch.zeros(b, cap, dtype=torch.int64)
+    for i, seq in enumerate(seqs):
+        hist[i, :len(seq)] = torch.tensor(seq)
+    per_row = n * (depth + 2)  # the most a run can draw: a step draws at most one more than its drafts
+    states = [None if r.params.greedy else r.gen.get_state() for r in rs]
+    u = torch.zeros(b, per_row)
+    for i, (r, st) in enumerate(zip(rs, states)):
+        if st is not None:
+            u[i] = torch.rand(per_row, generator=r.gen)  # the draws uniform() would make, in order
+    known, used = (i32 * b)(*map(len, seqs)), (i32 * b)()
+    length = (i32 * b)(*(r.length for r in rs))
+    left = (i32 * b)(*(r.params.max_tokens - len(r.tokens) for r in rs))
+    stops, off = _stops(rs)
+    fed, kept = torch.empty(n, b, dtype=torch.int32), torch.empty(n, b, dtype=torch.int32)
+    tokens, logprobs = torch.empty(n, b, t, dtype=torch.int64), torch.empty(n, b, t)
+    routes = _routes(native, n, b * t)
+    rs_ints = routes[0, 0].numel()
+    work = torch.empty(native.lib.kiln_lookup_work_floats(native.ref, b, depth, native.vocab, rs_ints))
+    cache = engine.cache
+    steps = native.lib.kiln_lookup_decode(
+        native.ref, native.final_norm.data_ptr(), b, n, depth, ngram, hist.data_ptr(), known, cap, length, left,
+        (ctypes.c_float * b)(*(r.params.temperature for r in rs)), u.data_ptr(), per_row, used, stops, off,
+        cache.k.data_ptr(), cache.v.data_ptr(), cache.k.stride(1), cache.k.stride(0), cache.max_len, _bf16(cache),
+        native.vocab, rs_ints, fed.data_ptr(), kept.data_ptr(), tokens.data_ptr(), logprobs.data_ptr(),
+        routes.data_ptr(), ctypes.byref(native.yield_run), work.data_ptr(), native.scratch(b, t))
+    fed, kept, toks, lps = fed[:steps].tolist(), kept[:steps].tolist(), tokens[:steps].tolist(), logprobs[:steps].tolist()
+    routes = routes[:steps].view(steps, b, t, *routes.shape[2:]) if native.n_moe and engine.capture_routes else None
+    stats = engine.spec_stats
+    for i, (r, st) in enumerate(zip(rs, states)):
+        if st is not None:  # put back the draws the run did not use
+            r.gen.set_state(st)
+            torch.rand(used[i], generator=r.gen)
+        new, chunks = [], []
+        for s in range(steps):
+            k, d = kept[s][i], fed[s][i] - 1
+            new += zip(toks[s][i][:k], lps[s][i][:k])
+            stats.steps += bool(d)
+            for j in range(min(k, d)):
+                stats.proposed[j] += 1
+            for j in range(k - 1):
+                stats.accepted[j] += 1
+            if routes is not None:
+                chunks.append(routes[s, i, :k])
+        _emit(engine, r, new, len(new), torch.cat(chunks).to(torch.int16) if chunks else None)
+        r.length = length[i]  # as lookup_step: every verified position, whatever emit kept
     return True
 
 

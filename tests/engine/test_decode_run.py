@@ -4,6 +4,7 @@ text, whatever ends a row (a stop id, a stop string, max_tokens, the cache's end
 shares its batch; speculatively also the same drafts, statistics and drafter cache."""
 from __future__ import annotations
 
+import dataclasses
 import os
 import shutil
 
@@ -29,11 +30,11 @@ def models():
 @pytest.fixture
 def counted(monkeypatch):
     """The runs made, by kind."""
-    made = {"plain": 0, "speculative": 0}
+    made = {"plain": 0, "speculative": 0, "lookup": 0}
 
     def counted_run(name, real):
-        def run(engine, rs):
-            ran = real(engine, rs)
+        def run(engine, rs, *args):
+            ran = real(engine, rs, *args)
             made[name] += ran
             return ran
         return run
@@ -120,6 +121,32 @@ def test_speculative_runs_equal_steps(models, depth, counted):
     # the drafter's cache and what the prefix cache kept of it, bit for bit
     assert torch.equal(ran.mtp_cache.k, steps.mtp_cache.k) and torch.equal(ran.mtp_cache.v, steps.mtp_cache.v)
     assert [e.drafted for e in ran.prefix.entries] == [e.drafted for e in steps.prefix.entries]
+
+
+@pytest.mark.parametrize("depth", [1, 4])
+def test_lookup_runs_equal_steps(models, depth, counted):
+    """Prompt lookup as RL workers run it (sampled, seeded rows, prefix reuse), beside greedy rows
+    whose output repeats itself (so drafts are found and accepted)."""
+    model = models[0]
+    prompts = [[5, 17, 3, 5, 17, 3, 9], [40, 41, 42, 43, 44, 45, 46, 47, 48], [7] * 17, [300, 2, 9, 11, 13], [1]]
+    sampled = [SamplingParams(temperature=t, max_tokens=40, seed=i, stop_token_ids=()) for i, t in enumerate((0.7, 1.0))]
+    greedy = SamplingParams(temperature=0, max_tokens=30, stop_token_ids=())
+    params = [sampled[0], greedy, sampled[1], greedy, SamplingParams(temperature=0.7, max_tokens=60, seed=4)]
+    free, _ = generate(model, None, prompts, params, False, lookup=depth)
+    # a stop id in the middle of row 0's output; the cache's end cuts row 4 short
+    stop = next(t for i, t in enumerate(free[0][0]) if i >= 12 and t not in free[0][0][:i])
+    params[0] = SamplingParams(temperature=0.7, max_tokens=40, seed=0, stop_token_ids=(stop,))
+    kw = {"lookup": depth, "max_batch": 3, "max_len": 44, "prefix_slots": 4, "carry_turns": True}
+    want, steps = generate(model, None, prompts, params, False, **kw)
+    assert counted["lookup"] == 0
+    got, ran = generate(model, None, prompts, params, True, **kw)
+    assert got == want and counted["lookup"] > 0
+    assert [c[4] for c in got] == ["stop", "length", "length", "length", "length"] and len(got[4][0]) < 60
+    accepted = ran.spec_stats.accepted  # first drafts, and (depth 4) second ones too
+    assert vars(ran.spec_stats) == vars(steps.spec_stats) and accepted[0] >= 10 and accepted[min(1, depth - 1)] > 0
+    # each sampled row's generator is left where the steps leave it: a longer turn draws the same
+    params = [dataclasses.replace(p, max_tokens=p.max_tokens + 3) for p in params]
+    assert generate(model, None, prompts, params, True, **kw)[0] == generate(model, None, prompts, params, False, **kw)[0]
 
 
 def test_new_weights_or_a_request_end_a_run_after_its_step(models):
