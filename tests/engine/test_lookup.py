@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from kiln.engine import Engine, SamplingParams
-from kiln.engine.engine import Request
 from kiln.engine.lookup import propose
+from kiln.engine.request import Request
 from tests.engine.test_speculative import bigram, bigram_kernel, markov_chi_square_p  # noqa: F401 - bigram is a fixture
 from tests.threads import one_thread  # noqa: F401 - autouse: one torch thread in this module
 from tests.tiny_model import tiny_model

@@ -9,6 +9,7 @@ import os
 import random
 import socket
 import struct
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -250,6 +251,22 @@ def test_load_weights_while_generating(tiny_checkpoint, tmp_path):
         client = client_for(srv)
         probe = {"model": MODEL, "messages": MSGS, "temperature": 0, "max_tokens": 16, "extra_body": LONG}
         before = extra(client.chat.completions.create(**probe).choices[0], "kiln")
+        # Once the stream has begun, its engine holds after each step until new weights are queued:
+        # decoded in native runs, the tiny model would otherwise finish before the checkpoint loads.
+        engine, hold, queued = srv.engine, threading.Event(), threading.Event()
+        real_step, real_update = engine.step, engine.update_weights
+
+        def step():
+            done = real_step()
+            if hold.is_set() and engine.running:
+                queued.wait(10)
+            return done
+
+        def update_weights(*args, **kwargs):
+            real_update(*args, **kwargs)
+            queued.set()
+        engine.step, engine.update_weights = step, update_weights
+        hold.set()
         stream = client.chat.completions.create(model=MODEL, messages=MSGS, temperature=0, max_tokens=200,
                                                 stream=True, extra_body=LONG)
         versions, loaded = [], None
