@@ -38,9 +38,9 @@ NATIVE_PREFILL = 128
 # Up to this many sequences decode in one native.c call (each weight streamed once for all of them);
 # more share torch's batched matmuls.
 NATIVE_MAX_BATCH = 64
-# Decoding (plain, or greedy with the MTP drafter) runs up to this many steps in one native.c call; a
-# request or new weights arriving end it after its current step. Streamed text comes a run at a time
-# (~7 ms of plain decoding at batch 1 on 2 cores).
+# Decoding (plain, prompt lookup, or greedy with the MTP drafter: runs.py) runs up to this many steps
+# in one native.c call; a request or new weights arriving end it after its current step. Streamed
+# text comes a run at a time (~7 ms of plain decoding at batch 1 on 2 cores).
 DECODE_RUN = 16
 SOURCE = Path(__file__).with_name("native.c")
 FLAGS = ["-O3", "-march=native", "-fPIC", "-shared", "-pthread"]
