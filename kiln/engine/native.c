@@ -1033,7 +1033,7 @@ float kiln_logprob(const float *x, int V, float T, int64_t tok, float *scratch) 
  * Up to n steps of B sequences in consecutive cache slots (kiln_trunk's cache arguments): a step
  * feeds each row's last token ids[b] at its next position pos0[b] (kiln_trunk, one token a row),
  * takes the logits (kiln_head with the final norm's weight `norm`) and draws the row's next token
- * (kiln_sample, temperature temps[b], uniform u[s * B + b]): the same calls, so the same bits, as n
+ * (kiln_sample, temperature temps[b], uniform u[b * n + s]): the same calls, so the same bits, as n
  * rounds of the engine's Python step, without the interpreter's work between them (run cold, it cost
  * a third of a batch-1 token). ids and pos0 are advanced in place. Stops after the first step in
  * which a row draws one of its stop ids, stops[stop_off[b]..stop_off[b + 1]), or after the step in
@@ -1053,7 +1053,8 @@ int kiln_decode(const Model *m, const float *norm, int B, int n, int64_t *ids, i
         int stop = 0;
         for (int b = 0; b < B; b++) {
             const int64_t i = (int64_t)s * B + b;
-            tokens[i] = ids[b] = kiln_sample(logits + (int64_t)b * vocab, vocab, temps[b], u[i], -1, logprobs + i, sampling);
+            tokens[i] = ids[b] = kiln_sample(logits + (int64_t)b * vocab, vocab, temps[b], u[(int64_t)b * n + s], -1,
+                                             logprobs + i, sampling);
             pos0[b]++;
             for (int j = stop_off[b]; j < stop_off[b + 1]; j++) stop |= stops[j] == tokens[i];
         }

@@ -6,14 +6,15 @@ was about a third of a plain token's time. Where every running row allows it, a 
 up to DECODE_RUN steps at once, which chain the same calls in the same order (kiln_trunk, kiln_head,
 kiln_sample, kiln_mtp_layer), so tokens, logprobs, routes and drafts are the bits as many steps give:
 
-- `plain` (Engine._decode): rows without top-k or top-p (native.c's sampler). A sampled row's
-  uniforms are drawn ahead; those a stop left unused are put back.
+- `plain` (Engine._decode): rows without top-k or top-p (native.c's sampler).
 - `speculative` (spec_step): greedy rows without stop strings, with the MTP drafter.
 - `lookup` (lookup_step): rows without top-k, top-p or stop strings (an RL worker's), with prompt
-  lookup's drafts (the latest earlier occurrence of a row's last N tokens, searched in C). A sampled
-  row's generator hands over a pool of uniforms; those the run did not use are put back.
+  lookup's drafts (the latest earlier occurrence of a row's last N tokens, searched in C).
 
-A run ends after the step in which a row finishes by a stop id (speculative: any way emit ends it),
+A sampled row's generator hands a run the uniforms it could need; those the run did not use are
+put back, so the row draws what as many Python steps would.
+
+A run ends after the step in which a row finishes by a stop id (speculative, lookup: any way emit ends it),
 or in which a request or new weights arrived (`NativeTrunk.yield_run`, which submit and
 update_weights set): what arrives still waits one step.
 """
@@ -24,7 +25,7 @@ import ctypes
 import torch
 
 from kiln.engine.native import DECODE_RUN, MAX_TOKENS, NATIVE_MAX_BATCH, _bf16
-from kiln.engine.sampling import uniform, untruncated
+from kiln.engine.sampling import untruncated
 
 
 def plain(engine, rs) -> bool:
@@ -35,8 +36,7 @@ def plain(engine, rs) -> bool:
         return False
     b = len(rs)
     n = min(DECODE_RUN, *(min(r.params.max_tokens - len(r.tokens), engine.max_len - r.length) for r in rs))
-    states = [None if r.params.greedy else r.gen.get_state() for r in rs]
-    u = (ctypes.c_float * (n * b))(*(0.0 if st is None else uniform(r.gen) for _ in range(n) for r, st in zip(rs, states)))
+    states, u = _draws(rs, n)
     pos0, k, v = native.slots([r.length for r in rs], 1, engine.cache, 0, [n] * b)
     stops, off = _stops(rs)
     tokens, logprobs = torch.empty(n, b, dtype=torch.int64), torch.empty(n, b)
@@ -44,17 +44,14 @@ def plain(engine, rs) -> bool:
     work = torch.empty(b * (native.dim + native.vocab) + native.vocab + native.vocab // 16)
     steps = native.lib.kiln_decode(
         native.ref, native.final_norm.data_ptr(), b, n, (ctypes.c_int64 * b)(*(r.tokens[-1] for r in rs)), pos0,
-        (ctypes.c_float * b)(*(r.params.temperature for r in rs)), u, stops, off, k, v, engine.cache.k.stride(1),
+        (ctypes.c_float * b)(*(r.params.temperature for r in rs)), u.data_ptr(), stops, off, k, v, engine.cache.k.stride(1),
         engine.cache.k.stride(0), engine.cache.max_len, _bf16(engine.cache), native.vocab, routes[0, 0].numel(),
         tokens.data_ptr(), logprobs.data_ptr(), routes.data_ptr(), ctypes.byref(native.yield_run), work.data_ptr(),
         native.scratch(b, 1))
     toks, lps = tokens[:steps].t().tolist(), logprobs[:steps].t().tolist()
     routes = routes[:steps].to(torch.int16) if native.n_moe and engine.capture_routes else None
-    for i, (r, st) in enumerate(zip(rs, states)):
-        if steps < n and st is not None:  # put back the draws the run did not use
-            r.gen.set_state(st)
-            for _ in range(steps):
-                uniform(r.gen)
+    _put_back(rs, states, [steps] * b)
+    for i, r in enumerate(rs):
         _emit(engine, r, list(zip(toks[i], lps[i])), steps, None if routes is None else routes[:, i])
     return True
 
@@ -128,11 +125,7 @@ def lookup(engine, rs, ngram: int) -> bool:
     for i, seq in enumerate(seqs):
         hist[i, :len(seq)] = torch.tensor(seq)
     per_row = n * (depth + 2)  # the most a run can draw: a step draws at most one more than its drafts
-    states = [None if r.params.greedy else r.gen.get_state() for r in rs]
-    u = torch.zeros(b, per_row)
-    for i, (r, st) in enumerate(zip(rs, states)):
-        if st is not None:
-            u[i] = torch.rand(per_row, generator=r.gen)  # the draws uniform() would make, in order
+    states, u = _draws(rs, per_row)
     known, used = (i32 * b)(*map(len, seqs)), (i32 * b)()
     length = (i32 * b)(*(r.length for r in rs))
     left = (i32 * b)(*(r.params.max_tokens - len(r.tokens) for r in rs))
@@ -152,10 +145,8 @@ def lookup(engine, rs, ngram: int) -> bool:
     fed, kept, toks, lps = fed[:steps].tolist(), kept[:steps].tolist(), tokens[:steps].tolist(), logprobs[:steps].tolist()
     routes = routes[:steps].view(steps, b, t, *routes.shape[2:]) if native.n_moe and engine.capture_routes else None
     stats = engine.spec_stats
-    for i, (r, st) in enumerate(zip(rs, states)):
-        if st is not None:  # put back the draws the run did not use
-            r.gen.set_state(st)
-            torch.rand(used[i], generator=r.gen)
+    _put_back(rs, states, used)
+    for i, r in enumerate(rs):
         new, chunks = [], []
         for s in range(steps):
             k, d = kept[s][i], fed[s][i] - 1
@@ -170,6 +161,26 @@ def lookup(engine, rs, ngram: int) -> bool:
         _emit(engine, r, new, len(new), torch.cat(chunks).to(torch.int16) if chunks else None)
         r.length = length[i]  # as lookup_step: every verified position, whatever emit kept
     return True
+
+
+def _draws(rs, k: int) -> tuple[list, torch.Tensor]:
+    """Each sampled row's next k uniforms, in the order uniform() would draw them (torch.rand(k)
+    draws those k and leaves the generator where k uniform() calls do), 0 for greedy rows -> (the
+    generators' states before, u [B, k])."""
+    states = [None if r.params.greedy else r.gen.get_state() for r in rs]
+    u = torch.zeros(len(rs), k)
+    for i, (r, st) in enumerate(zip(rs, states)):
+        if st is not None:
+            u[i] = torch.rand(k, generator=r.gen)
+    return states, u
+
+
+def _put_back(rs, states: list, used: list[int]) -> None:
+    """Leave each sampled row's generator as if it had drawn only the used[i] uniforms a run took."""
+    for r, st, n in zip(rs, states, used):
+        if st is not None:
+            r.gen.set_state(st)
+            torch.rand(n, generator=r.gen)
 
 
 def _emit(engine, r, new: list, fed: int, routes: torch.Tensor | None) -> None:
