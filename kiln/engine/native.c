@@ -1063,6 +1063,19 @@ int kiln_decode(const Model *m, const float *norm, int B, int n, int64_t *ids, i
     return n;
 }
 
+/* What the engine's emit keeps of a row's new tokens tok[0..count): each appended to hist at *known
+ * until one of its stop ids (kept) or its max_tokens (*left reaching 0). -> whether the row ended. */
+static int keep(const int64_t *tok, int count, int64_t *hist, int32_t *known, int32_t *left, const int64_t *stops,
+                int n_stops) {
+    for (int j = 0; j < count; j++) {
+        int done = --*left == 0;
+        hist[(*known)++] = tok[j];
+        for (int q = 0; q < n_stops; q++) done |= stops[q] == tok[j];
+        if (done) return 1;
+    }
+    return 0;
+}
+
 /* ---- greedy speculative decoding with the MTP drafter, several steps a call -------------------- *
  * speculative.py's spec_step and draft for greedy rows without stop strings, up to n steps, through
  * the same calls in the same order (so the same bits: tokens, logprobs, routes, drafts, the drafter's
@@ -1145,13 +1158,8 @@ int kiln_spec_decode(const Spec *c, int B, int n, int64_t *last, int64_t *drafts
                 if (a == D || tok[i] != drafts[(int64_t)b * D + a]) break;
             }
             accepted[s * B + b] = a;
-            int done = 0;
-            for (int j = 0; j <= a && !done; j++) {  /* what emit keeps: up to a stop id or max_tokens */
-                const int64_t t = tok[(int64_t)b * T + j];
-                hist[(int64_t)b * cap + known[b]++] = t;
-                for (int k = stop_off[b]; k < stop_off[b + 1]; k++) done |= stops[k] == t;
-                done |= --left[b] == 0;
-            }
+            int done = keep(tok + (int64_t)b * T, a + 1, hist + (int64_t)b * cap, &known[b], &left[b],
+                            stops + stop_off[b], stop_off[b + 1] - stop_off[b]);
             last[b] = tok[(int64_t)b * T + a];
             length[b] += a + 1;
             done |= length[b] + D >= c->max_len;
@@ -1304,12 +1312,8 @@ int kiln_lookup_decode(const Model *m, const float *norm, int B, int n, int look
             kept[i0] = a + 1;
             memcpy(routes + (int64_t)i0 * T * route_stride, step_routes + (int64_t)off[b] * route_stride,
                    (size_t)(a + 1) * route_stride * sizeof(int32_t));
-            int done = 0;
-            for (int j = 0; j <= a && !done; j++) {  /* what emit keeps: up to a stop id or max_tokens */
-                hist[(int64_t)b * cap + known[b]++] = tok[j];
-                for (int q = stop_off[b]; q < stop_off[b + 1]; q++) done |= stops[q] == tok[j];
-                done |= --left[b] == 0;
-            }
+            const int done = keep(tok, a + 1, hist + (int64_t)b * cap, &known[b], &left[b], stops + stop_off[b],
+                                  stop_off[b + 1] - stop_off[b]);
             length[b] += a + 1;
             ended |= done || length[b] >= max_len;
         }

@@ -124,7 +124,7 @@ def lookup(engine, rs, ngram: int) -> bool:
     hist = torch.zeros(b, cap, dtype=torch.int64)
     for i, seq in enumerate(seqs):
         hist[i, :len(seq)] = torch.tensor(seq)
-    per_row = n * (depth + 2)  # the most a run can draw: a step draws at most one more than its drafts
+    per_row = n * (depth + 2)  # the most a run can draw: a step draws at most its drafts and two more
     states, u = _draws(rs, per_row)
     known, used = (i32 * b)(*map(len, seqs)), (i32 * b)()
     length = (i32 * b)(*(r.length for r in rs))
