@@ -4,6 +4,7 @@ text, whatever ends a row (a stop id, a stop string, max_tokens, the cache's end
 shares its batch; speculatively also the same drafts, statistics and drafter cache."""
 from __future__ import annotations
 
+import copy
 import dataclasses
 import os
 import shutil
@@ -123,20 +124,22 @@ def test_speculative_runs_equal_steps(models, depth, counted):
     assert [e.drafted for e in ran.prefix.entries] == [e.drafted for e in steps.prefix.entries]
 
 
-@pytest.mark.parametrize("depth", [1, 4])
-def test_lookup_runs_equal_steps(models, depth, counted):
+@pytest.mark.parametrize("depth,dtypes", [(1, {}), (4, {}),
+                                          (4, {"weight_dtype": torch.bfloat16, "kv_dtype": torch.bfloat16})])
+def test_lookup_runs_equal_steps(models, depth, dtypes, counted):
     """Prompt lookup as RL workers run it (sampled, seeded rows, prefix reuse), beside greedy rows
-    whose output repeats itself (so drafts are found and accepted)."""
-    model = models[0]
+    whose output repeats itself (so drafts are found and accepted); also with the bf16 sampler and
+    a bf16 KV cache."""
+    model = copy.deepcopy(models[0]) if dtypes else models[0]  # a bf16 sampler rounds its model in place
     prompts = [[5, 17, 3, 5, 17, 3, 9], [40, 41, 42, 43, 44, 45, 46, 47, 48], [7] * 17, [300, 2, 9, 11, 13], [1]]
     sampled = [SamplingParams(temperature=t, max_tokens=40, seed=i, stop_token_ids=()) for i, t in enumerate((0.7, 1.0))]
     greedy = SamplingParams(temperature=0, max_tokens=30, stop_token_ids=())
     params = [sampled[0], greedy, sampled[1], greedy, SamplingParams(temperature=0.7, max_tokens=60, seed=4)]
-    free, _ = generate(model, None, prompts, params, False, lookup=depth)
+    free, _ = generate(model, None, prompts, params, False, lookup=depth, **dtypes)
     # a stop id in the middle of row 0's output; the cache's end cuts row 4 short
     stop = next(t for i, t in enumerate(free[0][0]) if i >= 12 and t not in free[0][0][:i])
     params[0] = SamplingParams(temperature=0.7, max_tokens=40, seed=0, stop_token_ids=(stop,))
-    kw = {"lookup": depth, "max_batch": 3, "max_len": 44, "prefix_slots": 4, "carry_turns": True}
+    kw = {"lookup": depth, "max_batch": 3, "max_len": 44, "prefix_slots": 4, "carry_turns": True, **dtypes}
     want, steps = generate(model, None, prompts, params, False, **kw)
     assert counted["lookup"] == 0
     got, ran = generate(model, None, prompts, params, True, **kw)
