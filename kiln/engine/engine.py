@@ -4,8 +4,9 @@ Each `step()` applies any pending weight update (in-flight: running sequences ke
 carry on under the new version), prefills newly admitted requests into free slots, then decodes
 one token for every running sequence (or, with an MTP module, drafts and verifies several: see
 speculative.py). Where the rows allow it, a step runs up to DECODE_RUN such steps in one native
-call (runs.py: the same tokens), ending early when a request or new weights arrive. Per generated token it records the logprob, the policy version that produced it
-and, per fed position, the routed experts, so RL never recomputes any of it.
+call (runs.py: the same tokens), ending early when a request or new weights arrive. Per generated
+token it records the logprob, the policy version that produced it and, per fed position, the
+routed experts, so RL never recomputes any of it.
 
 `submit` and `update_weights` may be called from any thread; `step` runs on one thread (the
 caller's, `generate`'s, or `serve`'s loop).
