@@ -1167,14 +1167,14 @@ int kiln_spec_decode(const Spec *c, int B, int n, int64_t *last, int64_t *drafts
         }
         if (!all_done) {  /* draft(): the drafter over the positions just verified */
             int back = D - 1;
-            for (int b = 0; b < B; b++) back = length[b] - accepted[s * B + b] - 1 < back ? length[b] - accepted[s * B + b] - 1 : back;
+            for (int b = 0; b < B; b++) back = pos[b] < back ? pos[b] : back;  /* pos: where this step's feed began */
             for (int b = 0; b < B && back; b++) back = tail_rows[b] >= back ? back : 0;
             const int t = T + back;
             for (int b = 0; b < B; b++) {
                 float *h = hc + (int64_t)b * t * dim;
                 memcpy(h, tail + ((int64_t)b * (D - 1) + tail_rows[b] - back) * dim, (size_t)back * dim * sizeof(float));
                 memcpy(h + (int64_t)back * dim, hid + (int64_t)b * T * dim, (size_t)T * dim * sizeof(float));
-                pos[b] = length[b] - accepted[s * B + b] - 1 - back;
+                pos[b] -= back;
                 nv[b] = accepted[s * B + b] + 1 + back;
                 lastv[b] = nv[b] - 1;
                 for (int i = 0; i < t; i++) need[b * t + i] = i == lastv[b];

@@ -52,7 +52,7 @@ def plain(engine, rs) -> bool:
     routes = routes[:steps].to(torch.int16) if native.n_moe and engine.capture_routes else None
     _put_back(rs, states, [steps] * b)
     for i, r in enumerate(rs):
-        _emit(engine, r, list(zip(toks[i], lps[i])), steps, None if routes is None else routes[:, i])
+        _emit(engine, r, list(zip(toks[i], lps[i])), None if routes is None else routes[:, i])
     return True
 
 
@@ -102,8 +102,7 @@ def speculative(engine, rs) -> bool:
                 stats.accepted[j] += 1
             if routes is not None:
                 fed.append(routes[s, i, :a + 1])
-        _emit(engine, r, new, len(new), torch.cat(fed).to(torch.int16) if fed else None)
-        r.length = length[i]  # as spec_step: every verified position, whatever emit kept
+        _emit(engine, r, new, torch.cat(fed).to(torch.int16) if fed else None, length[i])
         r.drafts, r.draft_probs = list(drafts[i * depth:(i + 1) * depth]), [None] * depth
         r.mtp_tail = tail[i, :tail_rows[i]] if tail_rows[i] else None
         r.drafted = drafted[i]
@@ -158,8 +157,7 @@ def lookup(engine, rs, ngram: int) -> bool:
                 stats.accepted[j] += 1
             if routes is not None:
                 chunks.append(routes[s, i, :k])
-        _emit(engine, r, new, len(new), torch.cat(chunks).to(torch.int16) if chunks else None)
-        r.length = length[i]  # as lookup_step: every verified position, whatever emit kept
+        _emit(engine, r, new, torch.cat(chunks).to(torch.int16) if chunks else None, length[i])
     return True
 
 
@@ -183,15 +181,17 @@ def _put_back(rs, states: list, used: list[int]) -> None:
             torch.rand(n, generator=r.gen)
 
 
-def _emit(engine, r, new: list, fed: int, routes: torch.Tensor | None) -> None:
-    """emit a run's tokens as one step with `fed` new positions would (r.length counts them; fewer
-    when a stop string ended the row early)."""
+def _emit(engine, r, new: list, routes: torch.Tensor | None, length: int | None = None) -> None:
+    """emit a run's new tokens as one step feeding as many positions would. length: the row's cache
+    positions after the run (speculative, lookup: every verified position, whatever emit keeps);
+    None (plain): one per token kept, fewer when a stop string ended the row early."""
     if routes is not None:
         r.pending_routes = routes
-    before = len(r.tokens)
-    r.length += fed
+    before, fed = len(r.tokens), len(new)
+    r.length = r.length + fed if length is None else length
     engine.emit(r, new, fed=fed)
-    r.length -= fed - (len(r.tokens) - before)
+    if length is None:
+        r.length -= fed - (len(r.tokens) - before)
 
 
 def _stops(rs):
