@@ -206,12 +206,13 @@ class Driver:
                 del self.ready_at[role]
                 self._call(role, "ready")
         for role in self.roles[1:]:
-            if self.info[role] is None or self._in_flight(role, "rollout") >= rl.worker_groups or self.orch.finished():
+            room = rl.worker_groups - self._in_flight(role, "rollout")
+            if self.info[role] is None or room <= 0 or self.orch.finished():
                 continue
-            job = self.orch.next_job(self.info[role]["name"], self.version[role])
-            if job is not None:
+            jobs = self.orch.next_jobs(self.info[role]["name"], self.version[role], room)
+            for job in jobs:
                 self._call(role, "rollout", job, payload={**job, "worker": self.info[role]["name"]})
-            elif not self._busy(role, "version"):
+            if not jobs and not self._busy(role, "version"):
                 # Refused for lag: the worker answers once its poller has applied newer weights (or
                 # after a second), so the group it may then start is dispatched within milliseconds.
                 self._call(role, "version", self.version[role])

@@ -94,6 +94,15 @@ class Orchestrator:
             self._save()
             return {"group": g.id, "task_id": g.task_id, "version": version}
 
+    def next_jobs(self, worker: str, version: int, room: int) -> list[dict]:
+        """Up to `room` groups for this worker at once (it has room for that many more), as many as
+        admission allows now: handed out one at a time, a worker with room for several got its
+        second only on the driver's next pass, up to its 0.5 s poll later."""
+        jobs = []
+        while len(jobs) < room and (job := self.next_job(worker, version)) is not None:
+            jobs.append(job)
+        return jobs
+
     def submit(self, worker: str, group: int, path: str, cost: float) -> bool:
         """A finished group; False (and nothing changes) unless it was running under `worker`."""
         with self.lock:

@@ -46,6 +46,15 @@ def test_max_lag_one_lets_workers_run_a_step_ahead(tmp_path):
     assert o.next_job("a", 0) is None
 
 
+def test_a_worker_with_room_for_several_groups_gets_what_admission_allows_at_once(tmp_path):
+    o = Orchestrator(str(tmp_path / "o.json"), _prompts(), _rl(max_lag=1))  # 2 groups a step: 4 may run
+    assert o.next_jobs("a", 0, room=0) == []
+    assert [j["group"] for j in o.next_jobs("a", 0, room=3)] == [0, 1, 2]  # its room, not one
+    assert [j["group"] for j in o.next_jobs("b", 0, room=3)] == [3]  # then admission's bound
+    assert o.next_jobs("b", 0, room=3) == []
+    assert o.counts() == {"running": 4}
+
+
 def test_single_epoch_holds_across_a_crash_and_lost_workers(tmp_path):
     path = str(tmp_path / "o.json")
     o = Orchestrator(path, _prompts(), _rl(max_lag=2))
