@@ -163,7 +163,8 @@ def main() -> None:
           f"trainer_idle_after_fill={res['async']['idle_after_fill']:.3f} "
           f"delta_fraction={res['async']['delta_fraction']:.4f} samples={res['async']['samples'] // args.seeds} "
           f"sync_samples_per_s={res['sync']['samples_per_s']:.4f} async_samples_per_s={res['async']['samples_per_s']:.4f} "
-          f"placement={args.placement} sandboxes={args.sandboxes} workers={base.rl.workers} cpus={len(cpus)} "
+          f"placement={args.placement} sandbox_cpus={','.join(map(str, base.sandbox.cpus or workers or cpus))} "
+          f"workers={base.rl.workers} cpus={len(cpus)} "
           f"seeds={args.seeds}")
     if not args.out:
         shutil.rmtree(root, ignore_errors=True)
