@@ -331,11 +331,14 @@ class TrunkOutput:
 
 
 def init_weights(module: nn.Module, std: float) -> None:
-    """Normal(0, std) for every weight; norms at their identity (1, or 0 for an offset norm)."""
+    """Normal(0, std) for every weight; norms at their identity (1, or 0 for an offset norm). Nothing
+    on the meta device (a checkpoint's tensors replace it all, and normal_ there imports torch._dynamo)."""
     norms = {id(m.weight): 0.0 if isinstance(m, OffsetRMSNorm) else 1.0
              for m in module.modules() if isinstance(m, (RMSNorm, OffsetRMSNorm))}
     with torch.no_grad():
         for _, p in module.named_parameters():
+            if p.is_meta:
+                continue
             if id(p) in norms:
                 p.fill_(norms[id(p)])
             elif p.ndim == 1:  # biases

@@ -10,11 +10,14 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import subprocess
+import sys
 
 import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
+from kiln.config import project_path
 from kiln.model import layers
 from kiln.model.checkpoint import (
     CONFIG,
@@ -135,6 +138,19 @@ def test_round_trip_is_bit_identical(name, tmp_path):
     assert a.keys() == b.keys()
     for k in a:
         assert torch.equal(a[k], b[k]), k
+
+
+def test_loading_a_checkpoint_for_inference_does_not_import_torch_dynamo(tmp_path):
+    """A worker, `kiln serve` or `kiln agent` loads weights without training: the meta-device build
+    must not run an init whose meta kernel imports torch._dynamo (~0.9 s of every start-up)."""
+    base, _ = load_checkpoint(project_path("bases/tiny"))  # the preset's MoE, tied embeddings
+    save_checkpoint(base, tmp_path, mtp=MTP(base.config, 1))
+    code = ("import sys; from kiln.model.checkpoint import load_checkpoint; "
+            f"m, mtp = load_checkpoint({str(tmp_path)!r}); assert mtp is not None; "
+            "print('torch._dynamo' in sys.modules, float(m.model.embed_tokens.weight.abs().sum()))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
+    assert out[0] == "False"
+    assert float(out[1]) == float(base.model.embed_tokens.weight.detach().abs().sum()) > 0
 
 
 def test_sliding_window_changes_what_a_layer_sees():
