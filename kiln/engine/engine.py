@@ -269,10 +269,7 @@ class Engine:
         ids[b] at positions starts[b]..starts[b] + T - 1."""
         t = len(ids[0])
         if self.native is not None and len(ids) <= NATIVE_MAX_BATCH and t <= NATIVE_PREFILL:
-            parts = [self.native.trunk([row[c:c + MAX_TOKENS] for row in ids], [s + c for s in starts], self.cache,
-                                       start) for c in range(0, t, MAX_TOKENS)]
-            hidden, routes = parts[0] if len(parts) == 1 else (
-                torch.cat([h for h, _ in parts], 1), None if parts[0][1] is None else torch.cat([r for _, r in parts], 1))
+            hidden, routes = self.native.trunk(ids, starts, self.cache, start)
         else:
             ids_t = torch.tensor(ids, device=self.device)
             positions = torch.tensor(starts, device=self.device)[:, None] + torch.arange(t, device=self.device)

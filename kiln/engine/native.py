@@ -9,9 +9,8 @@ decodes with `FastTrunk` as before.
 
 The engine uses it for forwards of at most `MAX_TOKENS` tokens per sequence (decoding and
 speculative verification, so both take the same per-token arithmetic) over a batch of up to
-NATIVE_MAX_BATCH sequences in one call, each weight read once for all of them; prefills
-up to NATIVE_PREFILL tokens take it MAX_TOKENS a call, longer ones go through torch, where
-matrix-matrix products win.
+NATIVE_MAX_BATCH sequences in one call, each weight read once for all of them, and for prefills
+of up to NATIVE_PREFILL tokens in one call; longer ones go through torch.
 """
 from __future__ import annotations
 
@@ -31,9 +30,9 @@ from kiln.engine.fast import supports as fast_supports
 from kiln.model.causal_lm import CausalLM
 from kiln.model.moe import MoeBlock
 
-MAX_TOKENS = 16
-# Prefills up to this many tokens go through native.c, MAX_TOKENS a call: faster than torch's up
-# to ~128 new tokens (docs: "Engine"); longer ones are matrix-matrix work, where torch wins.
+MAX_TOKENS = 16  # of one row in a decoding or verification call: its last token and its drafts
+# Prefills of up to this many tokens (most agent turns' new tokens) go through native.c in one call,
+# longer ones through torch (docs: "Engine", measured on RL rollouts).
 NATIVE_PREFILL = 128
 # Up to this many sequences decode in one native.c call (each weight streamed once for all of them);
 # more share torch's batched matmuls.
@@ -300,10 +299,10 @@ class NativeTrunk:
         if cache.k.dtype not in DTYPES:
             raise ValueError(f"the native step keeps keys and values in float32 or bfloat16, not {cache.k.dtype}")
         end = max(s + (lens[i] if lens else t) for i, s in enumerate(starts)) if b else 0
-        if t > MAX_TOKENS or end > min(cache.max_len, self.max_len) or (b and min(starts) < 0) \
+        if t > NATIVE_PREFILL or end > min(cache.max_len, self.max_len) or (b and min(starts) < 0) \
                 or not (0 <= slot and slot + b <= cache.slots):
             raise ValueError(f"positions up to {end - 1} of slots {slot}..{slot + b - 1} are outside the cache "
-                             f"({cache.slots} slots of {cache.max_len} positions) or over {MAX_TOKENS} tokens")
+                             f"({cache.slots} slots of {cache.max_len} positions) or over {NATIVE_PREFILL} tokens")
         off = slot * cache.k.stride(1) * cache.k.element_size()
         return (ctypes.c_int32 * b)(*starts), cache.k.data_ptr() + off, cache.v.data_ptr() + off
 
@@ -312,7 +311,7 @@ class NativeTrunk:
         return self.trunk(ids.tolist(), positions[:, 0].tolist(), cache, slot)
 
     def trunk(self, ids: list[list[int]], starts: list[int], cache, slot: int):
-        """ids [B][T] (T <= MAX_TOKENS) of the sequences in slots slot..slot+B-1, row b at positions
+        """ids [B][T] (T <= NATIVE_PREFILL) of the sequences in slots slot..slot+B-1, row b at positions
         starts[b]..+T-1 -> (hidden [B, T, D] before the final norm, routes [B, T, n_moe, k] int32 or
         None). Lists, not tensors: at a token a step, building small tensors was much of the step."""
         b, t = len(ids), len(ids[0])

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 import torch
 
 from kiln.engine import runs
-from kiln.engine.native import MAX_TOKENS, NATIVE_PREFILL
+from kiln.engine.native import NATIVE_PREFILL
 from kiln.engine.sampling import (
     argmax,
     draw,
@@ -145,20 +145,12 @@ def draft(engine, start: int, reqs, hidden: torch.Tensor, start_positions: list[
     for r in reqs:
         r.drafts, r.draft_probs = [], []
     last = [n - 1 for n in n_valid]
-    # native.c takes MAX_TOKENS positions a call: a longer run (a prompt) first fills the MTP
-    # cache over its leading positions, then drafts from the rest. Layer k at position p reads
-    # token p + k, known up to each row's last valid position + 1, so every row must reach past
-    # the leading positions by depth - 2 (a prompt does); otherwise torch takes the whole run, as
-    # it takes runs over NATIVE_PREFILL positions (the trunk's prefills: matrix-matrix work).
-    lead = max(t - MAX_TOKENS, 0)
-    if engine.native is None or t > NATIVE_PREFILL or (lead and min(last) + 2 - mtp.depth < lead):
+    # native.c takes a run of up to NATIVE_PREFILL positions (a short prompt, a step) in one call a
+    # layer; torch a longer one, as it takes the trunk's longer prefills.
+    if engine.native is None or t > NATIVE_PREFILL:
         _torch_layers(engine, start, reqs, hidden, start_positions, seqs, last)
     else:
-        for c0 in range(0, lead, MAX_TOKENS):
-            _native_layers(engine, start, reqs, hidden[:, c0:min(lead, c0 + MAX_TOKENS)],
-                           [s + c0 for s in start_positions], seqs, None)
-        _native_layers(engine, start, reqs, hidden[:, lead:], [s + lead for s in start_positions], seqs,
-                       [x - lead for x in last])
+        _native_layers(engine, start, reqs, hidden, start_positions, seqs, last)
     for i, r in enumerate(reqs):
         r.mtp_tail = hidden[i, max(0, n_valid[i] - (mtp.depth - 1)):n_valid[i]] if mtp.depth > 1 else None
         if start_positions[i] <= r.drafted:  # this call rewrote every position from the last exact one
@@ -166,7 +158,7 @@ def draft(engine, start: int, reqs, hidden: torch.Tensor, start_positions: list[
 
 
 def _native_layers(engine, start: int, reqs, h: torch.Tensor, starts: list[int], seqs, last: list[int] | None):
-    """native.c's MTP layers over h [B, T <= MAX_TOKENS, D] at positions starts[b] + 0..T-1, every
+    """native.c's MTP layers over h [B, T <= NATIVE_PREFILL, D] at positions starts[b] + 0..T-1, every
     sequence in one call a layer; with `last` (each row's position in h to draft from), the drafts."""
     b, t, _ = h.shape
     # The last layer's outputs feed only the drafting positions' heads: elsewhere it only writes the cache.

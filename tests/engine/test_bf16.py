@@ -105,7 +105,7 @@ def test_a_bf16_engine_samples_as_fp32_on_rounded_weights_and_rounds_its_updates
     ref = rounded(copy.deepcopy(model))
     engine = Engine(model, max_batch=2, weight_dtype=torch.bfloat16)
     assert engine.native is not None and engine.dtype == torch.float32  # fp32 activations and KV cache
-    prompts = [list(range(3, 40)), [7, 8, 9]]  # 37 tokens: prefilled through torch, then native steps
+    prompts = [list(range(3, 40)), [7, 8, 9]]  # 37 tokens: a native prefill, then native steps
     params = SamplingParams(temperature=1.0, max_tokens=12, seed=3, stop_token_ids=())
     a, b = engine.generate(prompts, params), Engine(ref, max_batch=2).generate(prompts, params)
     for x, y in zip(a, b):
@@ -149,7 +149,7 @@ def test_a_bf16_kv_cache_holds_the_fp32_entries_rounded_to_nearest_even():
 @torch.inference_mode()
 def test_an_engine_with_a_bf16_kv_cache_keeps_every_cache_in_bf16_and_samples_close_to_fp32():
     model, mtp = tiny_model(3, scale=1.0)  # (at scale 4 attention is sharp enough for bf16 keys to move a
-    prompts = [list(range(3, 40)), [7, 8, 9]]  # logprob by 0.46) 37 tokens: prefilled through torch, then native
+    prompts = [list(range(3, 40)), [7, 8, 9]]  # logprob by 0.46) 37 tokens: a native prefill, then native steps
     params = SamplingParams(temperature=1.0, max_tokens=8, seed=3, stop_token_ids=())
     engine = Engine(model, mtp=mtp, max_batch=2, prefix_slots=2, kv_dtype=torch.bfloat16)
     caches = (engine.cache, engine.mtp_cache, engine.prefix.kv, engine.prefix.drafter)

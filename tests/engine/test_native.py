@@ -14,7 +14,7 @@ import torch
 from kiln.engine import Engine, SamplingParams
 from kiln.engine.fast import FastTrunk
 from kiln.engine.kvcache import KVCache
-from kiln.engine.native import NativeTrunk, library
+from kiln.engine.native import MAX_TOKENS, NATIVE_PREFILL, NativeTrunk, library
 from kiln.model.layers import rope_tables
 from kiln.model.moe import MoeForCausalLM
 from tests.threads import one_thread  # noqa: F401 - autouse: one torch thread in this module
@@ -62,16 +62,17 @@ def test_native_steps_match_the_torch_trunk(dense_layer):
     assert nat.k[:, 0].abs().sum() == 0  # the other slot is untouched
 
 
+@pytest.mark.parametrize("k,each", [(5, 1), (NATIVE_PREFILL, MAX_TOKENS)])  # a decoding step; a prefill in one call
 @torch.inference_mode()
-def test_a_k_token_call_is_bit_identical_to_k_one_token_calls():
+def test_a_k_token_call_is_bit_identical_to_shorter_calls(k, each):
     model = tiny_model(2)[0]
-    native = NativeTrunk(model, LIB, 64)
-    one, many = caches(model.config)
-    ids = torch.randint(0, 512, (1, 5))
-    singles = [native(ids[:, i:i + 1], torch.tensor([[i]]), one, 0) for i in range(5)]
-    hidden, routes = native(ids, torch.arange(5)[None], many, 0)
-    assert torch.equal(hidden, torch.cat([h for h, _ in singles], dim=1))
-    assert torch.equal(routes, torch.cat([r for _, r in singles], dim=1))
+    native = NativeTrunk(model, LIB, NATIVE_PREFILL)
+    one, many = caches(model.config, max_len=NATIVE_PREFILL)
+    ids = torch.randint(0, 512, (1, k))
+    parts = [native(ids[:, i:i + each], torch.arange(i, i + each)[None], one, 0) for i in range(0, k, each)]
+    hidden, routes = native(ids, torch.arange(k)[None], many, 0)
+    assert torch.equal(hidden, torch.cat([h for h, _ in parts], dim=1))
+    assert torch.equal(routes, torch.cat([r for _, r in parts], dim=1))
     assert torch.equal(one.k, many.k) and torch.equal(one.v, many.v)
 
 
