@@ -32,8 +32,8 @@ from kiln.model.moe import MoeBlock
 
 MAX_TOKENS = 16  # of one row in a decoding or verification call: its last token and its drafts
 # Prefills of up to this many tokens (most agent turns' new tokens) go through native.c in one call,
-# longer ones through torch (docs: "Engine", measured on RL rollouts).
-NATIVE_PREFILL = 128
+# longer ones through torch: what ran fastest on RL rollouts (docs: "Engine", "Native prefills").
+NATIVE_PREFILL = 256
 # Up to this many sequences decode in one native.c call (each weight streamed once for all of them);
 # more share torch's batched matmuls.
 NATIVE_MAX_BATCH = 64
