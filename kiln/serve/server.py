@@ -18,6 +18,7 @@ handle, so tests and tools run the server in-process.
 from __future__ import annotations
 
 import json
+import socket
 import sys
 import threading
 import time
@@ -50,6 +51,34 @@ ROUTES = {  # path -> (method, App method name, admin only)
 
 
 class _Server(ThreadingHTTPServer):
+    def __init__(self, *args, **kw):
+        super().__init__(*args, **kw)
+        self.connections: dict = {}  # open client socket -> the thread handling it
+        self.connections_lock = threading.Lock()
+
+    def process_request_thread(self, request, client_address) -> None:
+        with self.connections_lock:
+            self.connections[request] = threading.current_thread()
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            with self.connections_lock:
+                self.connections.pop(request, None)
+
+    def close_connections(self, timeout: float = 10.0) -> None:
+        """End every open connection (a keep-alive client's included) and wait for its thread: one
+        still blocked in a read when the interpreter exits is killed in its teardown, which can
+        abort the process while it frees a request's tensors."""
+        with self.connections_lock:
+            open_now = dict(self.connections)
+        for sock in open_now:
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass  # already gone
+        for thread in open_now.values():
+            thread.join(timeout)
+
     def handle_error(self, request, client_address) -> None:
         """A client that left (a reset or closed pipe, e.g. between keep-alive requests) is not the
         server's error: no traceback for it; anything else is reported as the stdlib does."""
@@ -165,6 +194,7 @@ class ServerHandle:
         self._closed.set()
         self.httpd.shutdown()  # no new requests
         self.runner.close()  # fails whatever still waits on the engine
+        self.httpd.close_connections()
         self.httpd.server_close()
 
     def __enter__(self) -> Self:

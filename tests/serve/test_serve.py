@@ -380,3 +380,23 @@ def test_a_client_that_resets_its_connection_is_no_error(server, capfd):
     status, _ = http("GET", server.url + "/health")
     assert status == 200
     assert "Traceback" not in capfd.readouterr().err
+
+
+def test_close_ends_the_connections_clients_keep_alive(tiny_checkpoint):
+    """A client that keeps its connection open (an SDK's pool) holds no handler thread past close():
+    one still reading when the interpreter exits is killed in its teardown, which aborted the
+    process while it freed a request's tensors."""
+    before = set(threading.enumerate())  # other servers' handlers (the module's, still open)
+    srv = serve(tiny_checkpoint, port=0)
+    conn = socket.create_connection((srv.host, srv.port), timeout=30)
+    conn.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+    assert b'"status": "ok"' in conn.recv(65536)  # answered; the connection stays open
+    handlers = [t for t in threading.enumerate() if "process_request_thread" in t.name and t not in before]
+    assert len(handlers) == 1 and handlers[0].is_alive()
+    closing = threading.Thread(target=srv.close, daemon=True)
+    closing.start()
+    closing.join(timeout=30)
+    assert not closing.is_alive()
+    assert not any(t.is_alive() for t in handlers)
+    assert conn.recv(1) == b""  # the server ended it
+    conn.close()
