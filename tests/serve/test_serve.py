@@ -14,6 +14,7 @@ import time
 import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
+from http.client import HTTPConnection
 
 import openai
 import pytest
@@ -388,9 +389,9 @@ def test_close_ends_the_connections_clients_keep_alive(tiny_checkpoint):
     process while it freed a request's tensors."""
     before = set(threading.enumerate())  # other servers' handlers (the module's, still open)
     srv = serve(tiny_checkpoint, port=0)
-    conn = socket.create_connection((srv.host, srv.port), timeout=30)
-    conn.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
-    assert b'"status": "ok"' in conn.recv(65536)  # answered; the connection stays open
+    conn = HTTPConnection(srv.host, srv.port, timeout=30)
+    conn.request("GET", "/health")
+    assert json.loads(conn.getresponse().read())["status"] == "ok"  # answered; the connection stays open
     handlers = [t for t in threading.enumerate() if "process_request_thread" in t.name and t not in before]
     assert len(handlers) == 1 and handlers[0].is_alive()
     closing = threading.Thread(target=srv.close, daemon=True)
@@ -398,5 +399,5 @@ def test_close_ends_the_connections_clients_keep_alive(tiny_checkpoint):
     closing.join(timeout=30)
     assert not closing.is_alive()
     assert not any(t.is_alive() for t in handlers)
-    assert conn.recv(1) == b""  # the server ended it
+    assert conn.sock.recv(1) == b""  # the server ended it
     conn.close()
