@@ -10,8 +10,10 @@
   worker on version v may start it only if that is <= v + max_lag. max_lag = 0 is synchronous RL:
   rollouts of version v only, and the trainer waits for all of them.
 - **Upsampling.** Later in training, the next prompt leans toward kinds (category/difficulty)
-  whose finished groups took more turns and thinking tokens: weight hardness(kind) ** (upsample x
-  progress). The pool never repeats a prompt, so this reorders, never duplicates.
+  whose finished groups took more turns and thinking tokens: a kind is drawn with weight (its
+  remaining prompts) x hardness(kind) ** (upsample x progress), then its first remaining prompt.
+  The pool never repeats a prompt, so this reorders kinds, never duplicates, and within a kind the
+  pool's order holds.
 
 Group states: queued -> running (a worker) -> done (its trajectories on disk) -> handed (to the
 trainer) -> trained. A restarted trainer reports what its checkpoint trained; the rest of
@@ -172,9 +174,11 @@ class Orchestrator:
 
     # ---- internals ---------------------------------------------------------------------
     def _pick(self) -> int:
-        """Index into the remaining prompts: in order at first, leaning to harder kinds later."""
+        """Index into the remaining prompts: in order at first; later a kind is drawn with weight
+        (its remaining prompts) x hardness ** (upsample x progress) and its first remaining prompt
+        taken, so prompts of a kind keep their order (two runs on one pool see the same prompts in
+        the same order when no kind is harder than another)."""
         s, rl = self.s, self.rl
-        rng = random.Random(self.seed * 1_000_003 + s.issued)
         progress = s.trainer_version / max(rl.steps, 1)
         if rl.upsample <= 0 or progress <= 0:
             return 0
@@ -185,9 +189,18 @@ class Orchestrator:
         if not by_kind:
             return 0
         mean = sum(sum(v) / len(v) for v in by_kind.values()) / len(by_kind)
+        first: dict[str, int] = {}  # kind -> index of its first remaining prompt
+        count: dict[str, int] = {}
+        for i, p in enumerate(s.remaining):
+            first.setdefault(p.kind, i)
+            count[p.kind] = count.get(p.kind, 0) + 1
+        kinds = list(first)
+        if len(kinds) == 1:
+            return 0
         hard = {k: (sum(v) / len(v)) / max(mean, 1e-9) for k, v in by_kind.items()}
-        w = [max(hard.get(p.kind, 1.0), 1e-3) ** (rl.upsample * progress) for p in s.remaining]
-        return rng.choices(range(len(s.remaining)), weights=w)[0]
+        w = [count[k] * max(hard.get(k, 1.0), 1e-3) ** (rl.upsample * progress) for k in kinds]
+        rng = random.Random(self.seed * 1_000_003 + s.issued)
+        return first[rng.choices(kinds, weights=w)[0]]
 
     def _save(self) -> None:
         tmp = f"{self.path}.tmp"

@@ -95,3 +95,22 @@ def test_upsampling_leans_toward_kinds_that_took_longer(tmp_path):
     kinds = [o.next_job("w", 10)["task_id"] for _ in range(10)]
     hard = sum(int(t[1:]) % 2 for t in kinds)
     assert hard >= 9
+
+
+def test_upsampling_keeps_each_kinds_prompts_in_the_pools_order(tmp_path):
+    """A kind is drawn, then its first remaining prompt: with one kind (nothing to lean toward) the
+    pool's order holds whatever the progress, so runs of one pool (the two arms of
+    benchmarks/rl_async.py) see the same prompts in the same order; with two, each kind's own order."""
+    rl = _rl(steps=20, groups_per_step=1, max_lag=50, upsample=4.0)
+    for kinds in (("easy",), ("easy", "hard")):
+        o = Orchestrator(str(tmp_path / f"{len(kinds)}.json"), _prompts(200, kinds=kinds), rl)
+        for cost in (1.0, 9.0):
+            j = o.next_job("w", 0)
+            o.submit("w", j["group"], "/g", cost)
+        o.trained([0, 1], version=10)  # half-way: upsampling is on
+        ids = [int(o.next_job("w", 10)["task_id"][1:]) for _ in range(12)]
+        for parity in {i % len(kinds) for i in ids}:
+            mine = [i for i in ids if i % len(kinds) == parity]
+            assert mine == sorted(mine) and mine == list(range(mine[0], mine[-1] + 1, len(kinds)))
+        if len(kinds) == 1:
+            assert ids == list(range(2, 14))
