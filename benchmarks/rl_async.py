@@ -6,7 +6,9 @@ weight store) on the same SFT checkpoint, prompts and settings; only `rl.max_lag
 baseline, max_lag = 0, is synchronous on-policy RL: a version's groups are all rolled out with
 that version, the trainer waits for the last of them, and the workers wait for the next version.
 The asynchronous arm admits rollouts up to `--lag` versions ahead, so rollouts and training
-overlap and stragglers do not stall the step. The prompts are generated once and shared.
+overlap and stragglers do not stall the step. The prompts are generated once and shared, and both
+arms issue them in the same order (upsampling keeps a kind's order), so at a seed they roll out
+the same tasks, often token for token the same rollouts.
 
     .venv/bin/python benchmarks/rl_async.py --checkpoint runs/tiny/sft/checkpoint [--steps 8] [key=value ...]
 
