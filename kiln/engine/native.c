@@ -450,13 +450,39 @@ static void product_rows(void *c, int r0, int r1) {
     }
 }
 
+/* Several products in one job (a layer's q, k and v, or every chosen expert's matrix): its units
+ * are the parts' rows one after another, so one split with the helper covers them all (one wait
+ * instead of one a matrix, and matrices too small to split alone are shared too). Each row's
+ * arithmetic is product_rows' whatever the range, so the bits do not depend on the grouping. */
+typedef struct { int parts; const Product *p; const int *start; } Products; /* part i: rows start[i].. */
+
+static void products_rows(void *c, int r0, int r1) {
+    const Products *a = c;
+    for (int i = 0; i < a->parts; i++) {
+        const int lo = r0 > a->start[i] ? r0 : a->start[i], hi = r1 < a->start[i + 1] ? r1 : a->start[i + 1];
+        if (lo < hi) product_rows((void *)&a->p[i], lo - a->start[i], hi - a->start[i]);
+    }
+}
+
+/* p[i]'s rows start[i]..start[i + 1] - 1: y_i[n * ys + r] = W_i[r] . x_i[n * xs] for n < N_i. Each
+ * weight row is read from memory once for all of its part's inputs. */
+static void products(const Product *p, const int *start, int parts) {
+    int64_t floats = 0, work = 0;
+    for (int i = 0; i < parts; i++) {
+        floats += (int64_t)(start[i + 1] - start[i]) * p[i].cols;
+        work += (int64_t)(start[i + 1] - start[i]) * p[i].cols * p[i].N;
+    }
+    Products a = {parts, p, start};
+    parallel(products_rows, &a, start[parts], floats >= SPLIT_MIN_WORK || work >= 4 * SPLIT_MIN_WORK ? floats : 0);
+}
+
 /* y[n * ys + r] = W[r] . x[n * xs] for rows r < rows of the model's weight matrix W [rows, cols]
- * and n < N: each weight row is read from memory once for all N inputs. */
+ * and n < N. */
 static void matmul(const Model *m, const void *w, const float *x, int64_t xs, float *y, int64_t ys, int rows, int cols,
                    int N) {
-    Product a = {w, x, y, cols, N, m->wbf16, xs, ys};
-    int64_t floats = (int64_t)rows * cols;
-    parallel(product_rows, &a, rows, floats >= SPLIT_MIN_WORK || floats * N >= 4 * SPLIT_MIN_WORK ? floats : 0);
+    const Product a = {w, x, y, cols, N, m->wbf16, xs, ys};
+    const int start[2] = {0, rows};
+    products(&a, start, 1);
 }
 
 static void rms_norm(const float *x, const float *w, float *out, int n, float eps) {
@@ -507,9 +533,9 @@ static Layout layout(const Model *m, int B, int T) {
     s.att = at, at += round16(N * Q);
     s.y = at, at += round16(N * K * D);          /* each (token, expert) output; o_proj and MLP outputs */
     s.probs = at, at += round16(N * m->n_experts);
-    s.xg = at, at += round16(N * D);             /* inputs gathered for one expert */
-    s.gu = at, at += round16(N * 2 * inner);
-    s.act = at, at += round16(N * inner);
+    s.xg = at, at += round16(N * K * D);         /* inputs gathered for every chosen expert */
+    s.gu = at, at += round16(N * K * 2 * inner);
+    s.act = at, at += round16(N * K * inner);
     s.route = at, at += round16(3 * N * K);      /* chosen experts (int32), weights, gathered slots (int32) */
     s.rope = at, at += round16(N * m->head_dim); /* per token: cos then sin of each frequency */
     s.attn_each = round16(queries * m->head_dim) + queries * round16(m->max_tokens + 16) + round16(queries)
@@ -747,9 +773,10 @@ static void block(const Model *m, int l, float *hidden, const Batch *bt, int32_t
 
     /* attention */
     for (int n = 0; n < N; n++) rms_norm(hidden + (int64_t)n * D, m->ln1[l], h + (int64_t)n * D, D, m->eps);
-    matmul(m, m->wq[l], h, D, q, Q, Q, D, N);
-    matmul(m, m->wk[l], h, D, k, KVD, KVD, D, N);
-    matmul(m, m->wv[l], h, D, v, KVD, KVD, D, N);
+    const Product qkv[3] = {{m->wq[l], h, q, D, N, m->wbf16, D, Q}, {m->wk[l], h, k, D, N, m->wbf16, D, KVD},
+                            {m->wv[l], h, v, D, N, m->wbf16, D, KVD}};
+    const int qkv_rows[4] = {0, Q, Q + KVD, Q + 2 * KVD};
+    products(qkv, qkv_rows, 3);
     for (int b = 0, n = 0; n < N; n++) {
         while (n == bt->off[b + 1]) b++;
         const int pos = bt->pos0[b] + n - bt->off[b];
@@ -782,8 +809,10 @@ static void block(const Model *m, int l, float *hidden, const Batch *bt, int32_t
     float *gu = scratch + s.gu, *act = scratch + s.act;
     if (m->router[l] == NULL) {
         int I = m->dense_inner;
-        matmul(m, m->gate[l], h, D, gu, 2 * I, I, D, N);
-        matmul(m, m->up[l], h, D, gu + I, 2 * I, I, D, N);
+        const Product gate_up[2] = {{m->gate[l], h, gu, D, N, m->wbf16, D, 2 * I},
+                                    {m->up[l], h, gu + I, D, N, m->wbf16, D, 2 * I}};
+        const int gate_up_rows[3] = {0, I, 2 * I};
+        products(gate_up, gate_up_rows, 2);
         for (int n = 0; n < N; n++) swiglu(gu + (int64_t)n * 2 * I, gu + (int64_t)n * 2 * I + I, act + (int64_t)n * I, I);
         matmul(m, m->down_dense[l], act, I, y, D, D, I, N);
         for (int n = 0; n < N; n++)
@@ -815,20 +844,32 @@ static void block(const Model *m, int l, float *hidden, const Batch *bt, int32_t
             if (routes) routes[(int64_t)n * route_stride + j] = best;
         }
     }
-    /* Each expert once over every token that chose it; outputs kept per (token, rank). */
+    /* Each expert once over every token that chose it, every chosen expert's matrices in one job;
+     * outputs kept per (token, rank). xg: the inputs gathered expert after expert (row c from slot
+     * slots[c]), then the down projections' outputs. */
+    Product ups[E], downs[E];
+    int rows_up[E + 1], rows_down[E + 1], parts = 0, c = 0;
+    rows_up[0] = rows_down[0] = 0;
     for (int e = 0; e < E; e++) {
-        int cnt = 0;
+        const int first = c;
         for (int nj = 0; nj < N * K; nj++)
             if (chosen[nj] == e) {
-                memcpy(xg + (int64_t)cnt * D, h + (int64_t)(nj / K) * D, D * sizeof(float));
-                slots[cnt++] = nj;
+                memcpy(xg + (int64_t)c * D, h + (int64_t)(nj / K) * D, D * sizeof(float));
+                slots[c++] = nj;
             }
-        if (cnt == 0) continue;
-        matmul(m, elem_ptr(m->gate_up[l], (int64_t)e * 2 * I * D, m->wbf16), xg, D, gu, 2 * I, 2 * I, D, cnt);
-        for (int c = 0; c < cnt; c++) swiglu(gu + (int64_t)c * 2 * I, gu + (int64_t)c * 2 * I + I, act + (int64_t)c * I, I);
-        matmul(m, elem_ptr(m->down[l], (int64_t)e * D * I, m->wbf16), act, I, xg, D, D, I, cnt);  /* xg is free */
-        for (int c = 0; c < cnt; c++) memcpy(y + (int64_t)slots[c] * D, xg + (int64_t)c * D, D * sizeof(float));
+        if (c == first) continue;
+        ups[parts] = (Product){elem_ptr(m->gate_up[l], (int64_t)e * 2 * I * D, m->wbf16), xg + (int64_t)first * D,
+                               gu + (int64_t)first * 2 * I, D, c - first, m->wbf16, D, 2 * I};
+        downs[parts] = (Product){elem_ptr(m->down[l], (int64_t)e * D * I, m->wbf16), act + (int64_t)first * I,
+                                 xg + (int64_t)first * D, I, c - first, m->wbf16, I, D};
+        rows_up[parts + 1] = rows_up[parts] + 2 * I;
+        rows_down[parts + 1] = rows_down[parts] + D;
+        parts++;
     }
+    products(ups, rows_up, parts);
+    for (int r = 0; r < c; r++) swiglu(gu + (int64_t)r * 2 * I, gu + (int64_t)r * 2 * I + I, act + (int64_t)r * I, I);
+    products(downs, rows_down, parts); /* into xg: its inputs are no longer read */
+    for (int r = 0; r < c; r++) memcpy(y + (int64_t)slots[r] * D, xg + (int64_t)r * D, D * sizeof(float));
     for (int n = 0; n < N; n++) {
         if (need && !need[n]) continue;
         float wsum = 0.f, *out = hidden + (int64_t)n * D;
