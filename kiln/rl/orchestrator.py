@@ -195,8 +195,6 @@ class Orchestrator:
             first.setdefault(p.kind, i)
             count[p.kind] = count.get(p.kind, 0) + 1
         kinds = list(first)
-        if len(kinds) == 1:
-            return 0
         hard = {k: (sum(v) / len(v)) / max(mean, 1e-9) for k, v in by_kind.items()}
         w = [count[k] * max(hard.get(k, 1.0), 1e-3) ** (rl.upsample * progress) for k in kinds]
         rng = random.Random(self.seed * 1_000_003 + s.issued)
