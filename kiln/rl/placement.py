@@ -3,7 +3,7 @@
 The recipe trains and samples on separate hardware, so synchronous RL leaves one side idle while
 the other works and asynchrony reclaims it. Processes that share every core of one machine hide
 that: the OS hands an idle role's cores to the busy one. rl.trainer_cpus / rl.worker_cpus pin
-each role (its threads and every sandbox it starts inherit the mask); empty means all CPUs.
+each role (every thread it has, and every thread and sandbox it starts); empty means all CPUs.
 Ray's CPU resource (rl.trainer_resources) only counts; this is what keeps roles off each other's
 cores. Each actor pins itself, so the ids are those of the node it runs on. sandbox.cpus moves
 the workers' sandboxes elsewhere (the recipe's environments are a service apart from inference).
@@ -41,7 +41,22 @@ def pin(cpus: list[int], threads: int | None = None) -> int:
     import torch
 
     if cpus:
-        os.sched_setaffinity(0, cpus)
+        _pin_threads(cpus)
     n = threads or len(os.sched_getaffinity(0))
     torch.set_num_threads(n)
     return n
+
+
+def _pin_threads(cpus: list[int]) -> None:
+    """Set the mask of every thread of this process, not only the caller's: Linux keeps one per
+    thread, and a Ray actor pins itself from its constructor, after Ray's own threads exist (in a
+    profiled run they did little: the roles' CPU off their sets was start-up, before pinning).
+    Threads started later inherit their starter's mask; repeat until no new one appeared."""
+    done: set[str] = set()
+    while todo := set(os.listdir("/proc/self/task")) - done:
+        for tid in todo:
+            try:
+                os.sched_setaffinity(int(tid), cpus)
+            except ProcessLookupError:  # the thread ended meanwhile
+                pass
+        done |= todo

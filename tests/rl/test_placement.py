@@ -5,6 +5,7 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import subprocess
+import threading
 
 import pytest
 
@@ -23,10 +24,22 @@ def _pinned_child(cpus, threads, q):
     q.put((n, torch.get_num_threads(), sorted(os.sched_getaffinity(0)), allowed))
 
 
-def _run_pinned(cpus, threads=None):
+def _pinned_after_a_thread(cpus, threads, q):
+    # As in a Ray actor, whose pools and Ray's own threads exist before its constructor pins it.
+    started, stop = threading.Event(), threading.Event()
+    t = threading.Thread(target=lambda: (started.set(), stop.wait()))
+    t.start()
+    started.wait()
+    placement.pin(cpus, threads)
+    q.put(sorted(os.sched_getaffinity(t.native_id)))
+    stop.set()
+    t.join()
+
+
+def _run_pinned(cpus, threads=None, child=_pinned_child):
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
-    p = ctx.Process(target=_pinned_child, args=(cpus, threads, q))
+    p = ctx.Process(target=child, args=(cpus, threads, q))
     p.start()
     out = q.get(timeout=60)
     p.join(10)
@@ -38,6 +51,11 @@ def test_pin_restricts_the_process_its_threads_and_its_children():
     last = max(os.sched_getaffinity(0))
     n, torch_threads, mask, child_mask = _run_pinned([last])
     assert (n, torch_threads, mask, child_mask) == (1, 1, [last], str(last))
+
+
+def test_pin_restricts_threads_that_were_already_running():
+    last = max(os.sched_getaffinity(0))
+    assert _run_pinned([last], child=_pinned_after_a_thread) == [last]
 
 
 def test_pin_with_no_cpus_keeps_every_cpu_and_sets_the_threads():
