@@ -39,7 +39,13 @@ the same without the first step's wait (the pipeline filling, 15-20% of a loop o
 once by a run of hundreds); delta_fraction is the mean bytes published per step over the full
 weights' bytes.
 
-Last line: `name=value` pairs including async_speedup, trainer_idle_fraction, delta_fraction, and
+async_ceiling is what asynchrony could reach with the synchronous arm's own phases: its start-up,
+then its rollouts (the trainer's waits) and the one step that must follow the last of them, or its
+first wait and all its training, whichever is longer (`overlapped`); overlap_efficiency is
+async_speedup over it. A ceiling near 1 says the work is unbalanced (one side has little to hide
+behind the other), not that the pipeline fails to overlap it.
+
+Last line: `name=value` pairs including async_speedup, async_ceiling, trainer_idle_fraction, delta_fraction, and
 async_token_speedup: the same ratio over generated tokens per second, since the two arms' rollouts
 (sampled from different policy versions) need not be as long as each other.
 
@@ -75,10 +81,22 @@ def arm(cfg, checkpoint: str, tasks: Path, out: Path) -> dict:
     samples = sum(len(r["groups"]) for r in rows) * cfg.rl.group_size
     tokens = sum(r[f"tokens/{k}"] for r in rows for k in GENERATED)
     last = rows[-1]
+    # The last step's own time after its wait: the training nothing can overlap.
+    last_s = last["elapsed_s"] - (rows[-2]["elapsed_s"] if len(rows) > 1 else 0.0) - last["wait_s"]
     return {"samples": samples, "wall_s": wall, "tokens": tokens, "idle_s": last["idle_s"],
             "loop_s": max(last["elapsed_s"], 1e-9), "fill_s": rows[0]["wait_s"], "steps": len(rows),
+            "rollout_s": sum(r["wait_s"] for r in rows), "last_s": last_s,
             "delta": sum(r["delta_fraction"] for r in rows), "reward": sum(r["reward_mean"] for r in rows),
             "lag": {x for r in rows for x in r["group_lag"]}}
+
+
+def overlapped(sync: dict) -> float:
+    """The wall a perfect overlap of a synchronous run's phases would take: its start-up, then its
+    rollouts (the trainer's waits) followed by the one step that must come after them, or the first
+    group's wait followed by all its training, whichever is longer. Asynchrony cannot beat this
+    with the same rollouts and steps, so sync wall over it is the ceiling of async_speedup."""
+    start, train = sync["wall_s"] - sync["loop_s"], sync["loop_s"] - sync["rollout_s"]
+    return start + max(sync["rollout_s"] + sync["last_s"], sync["fill_s"] + train)
 
 
 def pooled(runs: list[dict]) -> dict:
@@ -158,8 +176,12 @@ def main() -> None:
     # The arms' rollouts differ (the async arm samples from older versions), and so do their lengths:
     # a few long failing rollouts among 32 move samples/s; generated tokens/s does not count length.
     token_speedup = res["async"]["tokens_per_s"] / res["sync"]["tokens_per_s"]
+    ceiling = res["sync"]["wall_s"] / sum(overlapped(r) for r in runs["sync"])
+    print(f"the synchronous arm's phases perfectly overlapped: async_speedup at most {ceiling:.3f} "
+          f"(measured {speedup:.3f}, {speedup / ceiling:.0%} of it)", flush=True)
     print(f"async_speedup={speedup:.3f} async_token_speedup={token_speedup:.3f} "
           f"sync_tokens={res['sync']['tokens']} async_tokens={res['async']['tokens']} "
+          f"async_ceiling={ceiling:.3f} overlap_efficiency={speedup / ceiling:.3f} "
           f"trainer_idle_fraction={res['async']['idle_fraction']:.3f} "
           f"sync_trainer_idle_fraction={res['sync']['idle_fraction']:.3f} "
           f"trainer_idle_after_fill={res['async']['idle_after_fill']:.3f} "
