@@ -93,8 +93,9 @@ def arm(cfg, checkpoint: str, tasks: Path, out: Path) -> dict:
 def overlapped(sync: dict) -> float:
     """The wall a perfect overlap of a synchronous run's phases would take: its start-up, then its
     rollouts (the trainer's waits) followed by the one step that must come after them, or the first
-    group's wait followed by all its training, whichever is longer. Asynchrony cannot beat this
-    with the same rollouts and steps, so sync wall over it is the ceiling of async_speedup."""
+    group's wait followed by all its training, whichever is longer. Asynchrony doing the same
+    rollouts and steps at the same costs cannot beat this, so sync wall over it is async_speedup's
+    ceiling (only nearly: the synchronous waits include each version's travel to the workers)."""
     start, train = sync["wall_s"] - sync["loop_s"], sync["loop_s"] - sync["rollout_s"]
     return start + max(sync["rollout_s"] + sync["last_s"], sync["fill_s"] + train)
 
