@@ -43,7 +43,11 @@ async_ceiling is what asynchrony could reach with the synchronous arm's own phas
 then its rollouts (the trainer's waits) and the one step that must follow the last of them, or its
 first wait and all its training, whichever is longer (`overlapped`); overlap_efficiency is
 async_speedup over it. A ceiling near 1 says the work is unbalanced (one side has little to hide
-behind the other), not that the pipeline fails to overlap it.
+behind the other), not that the pipeline fails to overlap it. The line before it gives that balance
+(sync_rollout_s against sync_train_s: the synchronous trainer's waits against the rest of its loop)
+and trainer_speed_ratio, the asynchronous trainer's trained tokens per second of its steps over the
+synchronous one's: below 1 where the asynchronous trainer shares its CPUs with what the synchronous
+one waits through (the sandboxes, decoding's memory traffic).
 
 Last line: `name=value` pairs including async_speedup, async_ceiling, trainer_idle_fraction, delta_fraction, and
 async_token_speedup: the same ratio over generated tokens per second, since the two arms' rollouts
@@ -71,14 +75,18 @@ GENERATED = ("thinking_tokens", "tool_call_tokens", "final_tokens")  # the polic
 
 
 def arm(cfg, checkpoint: str, tasks: Path, out: Path) -> dict:
-    """One `kiln rl` run; -> its samples, tokens, wall and the trainer's idle and loop seconds."""
+    """One `kiln rl` run -> `measured` of it."""
     out.mkdir(parents=True)
     shutil.copytree(tasks, out / "tasks")
     t = time.monotonic()
     s = run_rl(cfg, checkpoint, str(out), progress=False)
-    wall = time.monotonic() - t
-    rows = s["metrics"]
-    samples = sum(len(r["groups"]) for r in rows) * cfg.rl.group_size
+    return measured(s["metrics"], cfg.rl.group_size, time.monotonic() - t)
+
+
+def measured(rows: list[dict], group_size: int, wall: float) -> dict:
+    """A run's metrics rows and wall -> its samples, tokens, wall, the trainer's idle, loop, wait and
+    step seconds and trained tokens."""
+    samples = sum(len(r["groups"]) for r in rows) * group_size
     tokens = sum(r[f"tokens/{k}"] for r in rows for k in GENERATED)
     last = rows[-1]
     # The last step's own time after its wait: the training nothing can overlap.
@@ -86,6 +94,7 @@ def arm(cfg, checkpoint: str, tasks: Path, out: Path) -> dict:
     return {"samples": samples, "wall_s": wall, "tokens": tokens, "idle_s": last["idle_s"],
             "loop_s": max(last["elapsed_s"], 1e-9), "fill_s": rows[0]["wait_s"], "steps": len(rows),
             "rollout_s": sum(r["wait_s"] for r in rows), "last_s": last_s,
+            "step_s": sum(r["step_s"] for r in rows), "train_tokens": sum(r["train_tokens"] for r in rows),
             "delta": sum(r["delta_fraction"] for r in rows), "reward": sum(r["reward_mean"] for r in rows),
             "lag": {x for r in rows for x in r["group_lag"]}}
 
@@ -103,11 +112,11 @@ def overlapped(sync: dict) -> float:
 def pooled(runs: list[dict]) -> dict:
     """One arm over its runs: rates are totals over total wall, means are over every step."""
     tot = {k: sum(r[k] for r in runs) for k in ("samples", "wall_s", "tokens", "idle_s", "loop_s", "fill_s", "steps",
-                                                 "delta", "reward")}
+                                                 "delta", "reward", "rollout_s", "step_s", "train_tokens")}
     return {**tot, "samples_per_s": tot["samples"] / tot["wall_s"], "tokens_per_s": tot["tokens"] / tot["wall_s"],
             "idle_fraction": tot["idle_s"] / tot["loop_s"],
             "idle_after_fill": (tot["idle_s"] - tot["fill_s"]) / max(tot["loop_s"] - tot["fill_s"], 1e-9),
-            "delta_fraction": tot["delta"] / tot["steps"],
+            "delta_fraction": tot["delta"] / tot["steps"], "trained_tokens_per_s": tot["train_tokens"] / max(tot["step_s"], 1e-9),
             "reward_mean": tot["reward"] / tot["steps"], "lag": sorted(set().union(*(r["lag"] for r in runs)))}
 
 
@@ -178,11 +187,18 @@ def main() -> None:
     # a few long failing rollouts among 32 move samples/s; generated tokens/s does not count length.
     token_speedup = res["async"]["tokens_per_s"] / res["sync"]["tokens_per_s"]
     ceiling = res["sync"]["wall_s"] / sum(overlapped(r) for r in runs["sync"])
+    sync, rest = res["sync"], res["sync"]["loop_s"] - res["sync"]["rollout_s"]
+    trainer_speed = res["async"]["trained_tokens_per_s"] / max(sync["trained_tokens_per_s"], 1e-9)
+    print(f"balance: synchronously {sync['rollout_s']:.1f} s of rollouts (the trainer's waits) against {rest:.1f} s "
+          f"of training and publishing ({rest / sync['rollout_s']:.2f} s a second of rollouts); the trainer's steps "
+          f"{sync['trained_tokens_per_s']:.0f} trained tokens/s synchronously, "
+          f"{res['async']['trained_tokens_per_s']:.0f} asynchronously ({trainer_speed:.0%})", flush=True)
     print(f"the synchronous arm's phases perfectly overlapped: async_speedup at most {ceiling:.3f} "
           f"(measured {speedup:.3f}, {speedup / ceiling:.0%} of it)", flush=True)
     print(f"async_speedup={speedup:.3f} async_token_speedup={token_speedup:.3f} "
           f"sync_tokens={res['sync']['tokens']} async_tokens={res['async']['tokens']} "
           f"async_ceiling={ceiling:.3f} overlap_efficiency={speedup / ceiling:.3f} "
+          f"sync_rollout_s={sync['rollout_s']:.1f} sync_train_s={rest:.1f} trainer_speed_ratio={trainer_speed:.3f} "
           f"trainer_idle_fraction={res['async']['idle_fraction']:.3f} "
           f"sync_trainer_idle_fraction={res['sync']['idle_fraction']:.3f} "
           f"trainer_idle_after_fill={res['async']['idle_after_fill']:.3f} "
