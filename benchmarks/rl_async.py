@@ -47,7 +47,8 @@ behind the other), not that the pipeline fails to overlap it. The line before it
 (sync_rollout_s against sync_train_s: the synchronous trainer's waits against the rest of its loop)
 and trainer_speed_ratio, the asynchronous trainer's trained tokens per second of its steps over the
 synchronous one's: below 1 where the asynchronous trainer shares its CPUs with what the synchronous
-one waits through (the sandboxes, decoding's memory traffic).
+one waits through (the sandboxes), and off 1 by the data too (the arms train other rollouts, whose
+lengths and shared prefixes set the tokens per second).
 
 Last line: `name=value` pairs including async_speedup, async_ceiling, trainer_idle_fraction, delta_fraction, and
 async_token_speedup: the same ratio over generated tokens per second, since the two arms' rollouts
