@@ -188,7 +188,8 @@ def main() -> None:
     # a few long failing rollouts among 32 move samples/s; generated tokens/s does not count length.
     token_speedup = res["async"]["tokens_per_s"] / res["sync"]["tokens_per_s"]
     ceiling = res["sync"]["wall_s"] / sum(overlapped(r) for r in runs["sync"])
-    sync, rest = res["sync"], res["sync"]["loop_s"] - res["sync"]["rollout_s"]
+    sync = res["sync"]
+    rest = sync["loop_s"] - sync["rollout_s"]  # overlapped()'s training: the loop's time not waiting
     trainer_speed = res["async"]["trained_tokens_per_s"] / max(sync["trained_tokens_per_s"], 1e-9)
     print(f"balance: synchronously {sync['rollout_s']:.1f} s of rollouts (the trainer's waits) against {rest:.1f} s "
           f"of training and publishing ({rest / sync['rollout_s']:.2f} s a second of rollouts); the trainer's steps "
