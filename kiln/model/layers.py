@@ -209,10 +209,13 @@ class Documents:
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None) -> torch.Tensor:
         """q [B, H, T, hd], k and v [B, KV, T, hd] -> [B, H, T, hd]."""
         out = []
-        for b, spans in enumerate(self.rows):
+        for spans, qb, kb, vb in zip(self.rows, q.split(1), k.split(1), v.split(1)):
             p = spans[0][1] if self.shared else 0  # the prefix's end: later spans continue [0, p)
             # The first continuation runs the prefix's queries too: their outputs are the prefix's own.
             reuse = bool(p) and len(spans) > 1 and spans[1][2]
+            # One split a tensor, not a slice a span: a slice's backward zero-fills the whole row.
+            sizes = [e - s for s, e, _ in spans]
+            qs, ks, vs = (t.split(sizes, 2) for t in (qb, kb, vb))
             parts = []
             for i, (s, e, real) in enumerate(spans):
                 if not real:
@@ -220,10 +223,9 @@ class Documents:
                     continue
                 if reuse and i == 0:
                     continue
-                qkv = [t[b:b + 1, :, s:e] if not (s and p) else torch.cat([t[b:b + 1, :, :p], t[b:b + 1, :, s:e]], 2)
-                       for t in (q, k, v)]
+                qkv = [t[i] if not (s and p) else torch.cat([t[0], t[i]], 2) for t in (qs, ks, vs)]
                 o = self._span(*qkv, scale)
-                parts.append(o if reuse and i == 1 else o[:, :, -(e - s):])  # the span's own queries
+                parts.append(o if reuse and i == 1 else o.split([o.shape[2] - (e - s), e - s], 2)[1])  # its own queries
             out.append(parts[0] if len(parts) == 1 else torch.cat(parts, dim=2))
         return out[0] if len(out) == 1 else torch.cat(out)
 

@@ -96,13 +96,12 @@ class Experts(nn.Module):
         order = flat.argsort(stable=True)
         counts = torch.bincount(flat, minlength=self.gate_up_proj.shape[0]).tolist()
         tok = order // k
-        xs = x[tok]
-        outs, start = [], 0
-        for e, c in enumerate(counts):
-            if c:
-                gate, up = F.linear(xs[start:start + c], self.gate_up_proj[e]).chunk(2, dim=-1)
+        # split, not slices: a slice's backward zero-fills all of xs once per expert (3% of an RL step)
+        outs = []
+        for e, xe in enumerate(x[tok].split(counts)):
+            if len(xe):
+                gate, up = F.linear(xe, self.gate_up_proj[e]).chunk(2, dim=-1)
                 outs.append(F.linear(F.silu(gate) * up, self.down_proj[e]))
-                start += c
         ys = torch.cat(outs) * w.reshape(-1)[order, None]
         return torch.zeros_like(x).index_add_(0, tok, ys.to(x.dtype))
 

@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from kiln.model.layers import MIN_SHARED
 
 from .batch import Batch, collate, sequences
+from .logp import target_logprobs
 from .loss import group_advantages, policy_loss, uniform_groups
 from .rewards import k1
 
@@ -57,7 +58,7 @@ def target_logp(model, batch: Batch, rows, temperature: float, replay: bool, rep
     # The last layer and the head run only where a target is scored (RLTrainer.add 1.26x faster on
     # the speedrun's groups, which score ~20% of their positions).
     out = model.trunk(ids, routes=routes, replay_ratio=replay_ratio, at=F.pad(keep, (0, 1)))
-    full[:, :n - 1] = torch.zeros(mask.shape).masked_scatter(keep, _logp(model, out.hidden, ids[:, 1:][keep], temperature))
+    full[:, :n - 1] = torch.zeros(mask.shape).masked_scatter(keep, target_logprobs(model, out.hidden, ids[:, 1:][keep], temperature))
     return full, out.replaced
 
 
@@ -93,17 +94,11 @@ def _tree_logp(model, batch: Batch, rows: torch.Tensor, temperature: float, repl
     out = model.trunk(ids[None], positions=pos[None], doc_ids=docs[None], routes=routes, replay_ratio=replay_ratio,
                       shared_prefix=True, at=at)
     targets = torch.cat([batch.ids[r, p + 1:n][k] for r, n, k in zip(rs, ends, keeps)])
-    lp = _logp(model, out.hidden, targets, temperature).split([int(k.sum()) for k in keeps])
+    lp = target_logprobs(model, out.hidden, targets, temperature).split([int(k.sum()) for k in keeps])
     full = torch.zeros(batch.mask[rows].shape)
     for i, (keep, n, l) in enumerate(zip(keeps, ends, lp)):
         full[i, p:n - 1] = torch.zeros(keep.shape).masked_scatter(keep, l)
     return full, out.replaced
-
-
-def _logp(model, hidden: torch.Tensor, targets: torch.Tensor, temperature: float) -> torch.Tensor:
-    """Each target's logprob under softmax(logits / temperature) at its hidden state."""
-    logits = model.head(hidden).float() / temperature
-    return torch.log_softmax(logits, -1).gather(-1, targets[:, None])[:, 0]
 
 
 class RLTrainer:
