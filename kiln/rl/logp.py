@@ -6,7 +6,7 @@ Why: an RL step scores ~3,000 targets over an 8,192-token vocabulary, and each f
 that (the logits, their division by the temperature, the log softmax, the zero-filled gradient of
 the gather, its backward) is 116 MB, a pass over fresh memory that costs more than its arithmetic.
 Chunks of CHUNK_BYTES stay in cache and reuse the allocator's blocks; the price is one more product
-with the head weight in backward (measured in docs/architecture.md, RL, Throughput).
+with the head weight in backward (measured in docs/architecture.md, RL, Trainer).
 """
 from __future__ import annotations
 
