@@ -47,6 +47,7 @@ from kiln.config import ModelSection, project_path
 from kiln.engine import Engine, SamplingParams
 from kiln.engine.engine import DRAFT_SHARE
 from kiln.engine.speculative import SpecStats
+from kiln.model import gemm
 from kiln.model.checkpoint import load_checkpoint, save_checkpoint
 from kiln.model.config import ModelConfig
 from kiln.model.moe import MoeForCausalLM
@@ -87,6 +88,7 @@ def set_lr(opt, i: int, steps: int, peak: float = 3e-3) -> None:
         group["lr"] = peak * min(1.0, (i + 1) / 30) * (0.1 + 0.9 * (1 - i / steps))
 
 
+@gemm.routed()  # as kiln's trainers step (kiln/model/gemm.py)
 def train_model(model, data, steps: int, device: str) -> float:
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.0, betas=(0.9, 0.95))
     model.train()
@@ -103,6 +105,7 @@ def train_model(model, data, steps: int, device: str) -> float:
     return float(loss.detach())
 
 
+@gemm.routed()
 def train_mtp(model, mtp, data, steps: int, mode: str, device: str) -> float:
     opt = torch.optim.AdamW(mtp.parameters(), lr=3e-3, weight_decay=0.0, betas=(0.9, 0.95))
     mtp.train()

@@ -21,6 +21,7 @@ group's shared prompt), loss_rel_diff (the largest over steps and arms).
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 from pathlib import Path
@@ -63,7 +64,7 @@ def main() -> None:
     model, _ = load_checkpoint(args.checkpoint, with_mtp=False)
     trainer = RLTrainer(model, rl)
     trainer.opt.step = lambda: None  # every step from the same weights: both arms see the same model
-    default = gemm.current()
+    default = gemm.backend()
     arms = {"tree": (True, default), "rows": (False, default), "mkl": (True, "mkl")}
     times: dict[str, list[float]] = {a: [] for a in arms}
     worst = 0.0
@@ -71,11 +72,10 @@ def main() -> None:
         pair, loss = groups[2 * s:2 * s + 2], {}
         for arm, (trees, backend) in arms.items():
             trainer.trees = trees
-            gemm.route(backend)
+            os.environ["KILN_FP32_GEMM"] = backend  # what the step's gemm.routed() reads
             m = trainer.step(pair)
             times[arm].append(m["step_s"])
             loss[arm] = m["loss"]
-        gemm.route(default)
         worst = max([worst] + [abs(loss["tree"] - v) / max(abs(v), 1e-12) for v in loss.values()])
         print(f"step {s + 1}/{args.steps}: " + " ".join(f"{a} {times[a][-1]:.2f}s" for a in arms)
               + " loss " + " / ".join(f"{v:.6f}" for v in loss.values()), flush=True)

@@ -9,7 +9,8 @@ preset's phases). kiln's trunk gets document ids and restarting positions as in 
 random tokens hold no <|endoftext|>, so that is one causal document, what transformers computes.
 transformers computes its own balance loss (`output_router_logits=True`, averaged over layers where
 kiln sums), so only the cross-entropies are compared: on the first step, before any update, they
-must agree (same weights, same batch).
+must agree (same weights, same batch). kiln's step computes its fp32 products where kiln's trainer
+does (kiln/model/gemm.py: oneDNN where it keeps fp32), transformers' with torch's defaults.
 
 Sizes are the preset's phase shapes: 16 x 256 (bulk) and 4 x 1024 (extension). kiln and
 transformers alternate repeat by repeat, so load from other processes falls on both alike; each
@@ -35,6 +36,7 @@ import torch
 import torch.nn.functional as F
 
 from kiln.config import ModelSection, PretrainConfig
+from kiln.model import gemm
 from kiln.model.checkpoint import save_checkpoint
 from kiln.model.config import ModelConfig
 from kiln.model.moe import MoeForCausalLM
@@ -77,13 +79,17 @@ def step(model, opt, loss_fn, batch, clip: float, autocast) -> float:
     return float(ce.detach())
 
 
+# kiln's trainer steps with its fp32 products where kiln/model/gemm.py sends them; transformers with torch's own.
+kiln_step = gemm.routed()(step)
+
+
 def timed_steps(model, opt, loss_fn, batch, n: int, clip: float, autocast, device: str) -> float:
     """Seconds for n steps."""
     if device == "cuda":
         torch.cuda.synchronize()
     t = time.perf_counter()
     for _ in range(n):
-        step(model, opt, loss_fn, batch, clip, autocast)
+        (kiln_step if loss_fn is kiln_loss else step)(model, opt, loss_fn, batch, clip, autocast)
     if device == "cuda":
         torch.cuda.synchronize()
     return time.perf_counter() - t
@@ -123,10 +129,10 @@ def main() -> None:
         # Fresh optimizers from the same (current) weights: both models take the same first step.
         hf.load_state_dict(kiln.state_dict())
         k_opt, h_opt = adamw(kiln, lr, p), adamw(hf, lr, p)
-        k_loss = step(kiln, k_opt, kiln_loss, batch, p.grad_clip, autocast)
+        k_loss = kiln_step(kiln, k_opt, kiln_loss, batch, p.grad_clip, autocast)
         h_loss = step(hf, h_opt, hf_loss, batch, p.grad_clip, autocast)
         for _ in range(args.warmup - 1):
-            step(kiln, k_opt, kiln_loss, batch, p.grad_clip, autocast)
+            kiln_step(kiln, k_opt, kiln_loss, batch, p.grad_clip, autocast)
             step(hf, h_opt, hf_loss, batch, p.grad_clip, autocast)
         k_times, h_times = [], []
         for _ in range(args.repeats):  # alternating: background load hits both

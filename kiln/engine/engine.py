@@ -13,6 +13,7 @@ caller's, `generate`'s, or `serve`'s loop).
 """
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import queue
@@ -47,6 +48,7 @@ from kiln.engine.sampling import (
     untruncated,
 )
 from kiln.engine.speculative import SpecStats, draft, spec_step
+from kiln.model import gemm
 
 DRAFT_SHARE = 8  # the MTP drafter proposes from its 1/8 most frequent training tokens (docs: "Speculative decoding")
 log = logging.getLogger(__name__)
@@ -274,11 +276,14 @@ class Engine:
             ids_t = torch.tensor(ids, device=self.device)
             positions = torch.tensor(starts, device=self.device)[:, None] + torch.arange(t, device=self.device)
             self.cache.begin(start, positions)
-            if self.fast is not None:
-                hidden, routes = self.fast(ids_t, positions, self.cache)
-            else:
-                out = self.model.trunk(ids_t, positions=positions, cache=self.cache)
-                hidden, routes = out.hidden, out.routes
+            # A long prefill's products are large enough for oneDNN (1.2x on 257-1,500 tokens);
+            # decoding's small ones, of a new size each step, are not (kiln/model/gemm.py).
+            with gemm.routed() if t > NATIVE_PREFILL else contextlib.nullcontext():
+                if self.fast is not None:
+                    hidden, routes = self.fast(ids_t, positions, self.cache)
+                else:
+                    out = self.model.trunk(ids_t, positions=positions, cache=self.cache)
+                    hidden, routes = out.hidden, out.routes
         if self.capture_routes and routes is not None:
             for r, rr in zip(reqs, routes.to(torch.int16).cpu()):
                 r.pending_routes = rr

@@ -16,10 +16,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import gemm
-
-gemm.route()  # every kiln model computes in a process that imported this: its fp32 products go to oneDNN
-
 ACTIVATIONS = {"silu": F.silu, "gelu_pytorch_tanh": functools.partial(F.gelu, approximate="tanh")}
 
 

@@ -33,6 +33,7 @@ import torch
 import torch.nn.functional as F
 
 from kiln.config import project_path
+from kiln.model import gemm
 from kiln.model.causal_lm import CausalLM
 from kiln.model.checkpoint import load_checkpoint, save_checkpoint
 from kiln.model.config import ModelConfig
@@ -304,6 +305,7 @@ def _train_step(run: Run, ph, start: int, p, make_batch, train_mtp: bool, device
     bar.set_postfix(phase=ph.name, loss=f"{row['loss']:.3f}", tok_s=f"{tokens / dt:.0f}")
 
 
+@gemm.routed()
 def _step(run: Run, batch: tuple, lr: float, train_mtp: bool, clip: float, accum: int, device: torch.device,
           autocast) -> dict:
     """One optimizer step over `accum` micro-batches of batch = (ids, docs, positions, mask[,

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from kiln.model import gemm
 from kiln.model.layers import MIN_SHARED
 
 from .batch import Batch, collate, sequences
@@ -119,6 +120,7 @@ class RLTrainer:
         """The groups added since the last step, in the order they came."""
         return list(self.acc["groups"]) if self.acc else []
 
+    @gemm.routed()
     def add(self, group: Group) -> None:
         """Run one group's forward and backward into the coming step's gradients. Groups arrive as
         their rollouts finish, so a step's compute overlaps the rollouts of its later groups; `step`
@@ -184,6 +186,7 @@ class RLTrainer:
         acc["trained_rows"] += int(trained.sum())
         acc["seconds"] += time.monotonic() - t0
 
+    @gemm.routed()
     def step(self, groups: list[Group] = ()) -> dict:
         """add() each of `groups`, then one optimizer step on every group added since the last; returns
         the step's metrics (the version after it included)."""

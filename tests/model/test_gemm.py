@@ -1,20 +1,13 @@
-"""kiln/model/gemm.py: fp32 products go to oneDNN only where they stay fp32, and come out as MKL's do."""
-import os
-import subprocess
-import sys
-
+"""kiln/model/gemm.py: training's fp32 products go to oneDNN only where they stay fp32, come out as
+MKL's do, and torch's setting is back to its own outside a training step."""
 import pytest
 import torch
 import torch.nn.functional as F
 
 from kiln.model import gemm
 
-
-@pytest.fixture
-def restore():
-    before = gemm.current()
-    yield
-    gemm.route(before)
+needs_onednn = pytest.mark.skipif(not gemm.onednn_keeps_fp32(),
+                                  reason="oneDNN would not keep fp32 products on this CPU (or torch lacks it)")
 
 
 def _products():
@@ -30,32 +23,34 @@ def _products():
     return [t.detach() for t in (y, o, x.grad, w.grad, q.grad, k.grad, v.grad)]
 
 
-def test_onednn_products_keep_fp32_and_agree_with_mkl(restore):
-    if gemm.route("onednn") != "onednn":
-        pytest.skip("oneDNN would not keep fp32 products on this CPU (or torch lacks it): kiln uses MKL")
-    assert torch.backends.mkldnn.matmul.fp32_precision == "bf16"  # what routes fp32 to oneDNN
-    assert gemm.probe_error() <= gemm.FP32_ERROR
-    onednn = _products()
-    assert gemm.route("mkl") == "mkl" == gemm.current()
-    for a, b in zip(onednn, _products()):
+@needs_onednn
+def test_onednn_products_keep_fp32_and_agree_with_mkl():
+    with gemm.routed("onednn"):
+        assert torch.backends.mkldnn.matmul.fp32_precision == "bf16"  # what routes fp32 to oneDNN
+        assert gemm.probe_error() <= gemm.FP32_ERROR
+        onednn = _products()
+    assert torch.backends.mkldnn.matmul.fp32_precision != "bf16"  # restored
+    with gemm.routed("mkl"):
+        mkl = _products()
+    for a, b in zip(onednn, mkl):
         assert torch.allclose(a, b, rtol=1e-4, atol=1e-6 * float(b.abs().max())), float((a - b).abs().max())
 
 
-def test_route_falls_back_to_mkl_when_the_probe_is_not_fp32(restore, monkeypatch):
-    monkeypatch.setattr(gemm, "FP32_ERROR", 0.0)  # no product is that exact: as if oneDNN rounded to bf16
-    assert gemm.route("onednn") == "mkl" == gemm.current()
-    assert torch.backends.mkldnn.matmul.fp32_precision == "ieee"
+def test_the_probe_tells_bf16_rounding_from_fp32():
+    """What onednn_keeps_fp32 relies on: a product of bf16-rounded inputs fails the probe's bound."""
+    g = torch.Generator().manual_seed(0)
+    a, b = torch.randn(512, 256, generator=g), torch.randn(256, 256, generator=g)
+    ref = a.double() @ b.double()
+    rounded = a.bfloat16().float() @ b.bfloat16().float()
+    assert float((rounded - ref).abs().max() / ref.abs().max()) > 100 * gemm.FP32_ERROR
+    assert gemm.probe_error() <= gemm.FP32_ERROR  # outside training(): torch's own products
 
 
-def test_route_rejects_an_unknown_backend(restore):
+def test_the_environment_chooses(monkeypatch):
+    monkeypatch.setenv("KILN_FP32_GEMM", "mkl")
+    assert gemm.backend() == "mkl"
+    monkeypatch.setenv("KILN_FP32_GEMM", "onednn")
+    assert gemm.backend() == ("onednn" if gemm.onednn_keeps_fp32() else "mkl")
+    monkeypatch.setenv("KILN_FP32_GEMM", "openblas")
     with pytest.raises(ValueError, match="KILN_FP32_GEMM must be one of"):
-        gemm.route("openblas")
-
-
-@pytest.mark.parametrize("env", ["mkl", ""])
-def test_the_environment_chooses_for_every_kiln_process(env, restore):
-    """A process that imports kiln's model layers is routed at import; KILN_FP32_GEMM=mkl opts out."""
-    code = "import kiln.model.layers; from kiln.model import gemm; print(gemm.current())"
-    out = subprocess.run([sys.executable, "-c", code], env={**os.environ, "KILN_FP32_GEMM": env},
-                         capture_output=True, text=True, check=True).stdout.split()[-1]
-    assert out == (env or gemm.route("onednn"))
+        gemm.backend()

@@ -7,6 +7,7 @@ import torch
 from kiln.config import Config
 from kiln.engine import Engine, SamplingParams
 from kiln.harness.trajectory import Segment, ToolRecord, Trajectory, TurnRecord
+from kiln.model import gemm
 from kiln.model.checkpoint import load_checkpoint
 from kiln.model.tokenizer import load_tokenizer
 from kiln.rl import trainer as trainer_mod
@@ -111,6 +112,25 @@ def test_a_step_moves_logprobs_with_the_advantage_and_logs_the_metrics(setup, ag
     assert m["lag"] == {"0": int(batch.mask.sum())}
     assert m["tokens_per_s"] > 0 and m["grad_norm"] > 0
     assert m["rollouts"] == 4 and m["summarised"] == 0  # one segment each
+
+
+def test_a_step_computes_its_products_where_gemm_says_and_restores_torchs_setting(setup, monkeypatch):
+    """kiln/model/gemm.py: the step's forward and backward run under routed()'s routing, seen from
+    inside the model; outside the step torch's own setting is back."""
+    ckpt, trajs = setup
+    model, _ = load_checkpoint(ckpt, with_mtp=False)
+    trainer = RLTrainer(model, Config().rl.model_copy(update={"temperature": 1.0}))
+    seen = []
+    model.model.layers[0].register_forward_pre_hook(lambda *_: seen.append(torch.backends.mkldnn.matmul.fp32_precision))
+    before = torch.backends.mkldnn.matmul.fp32_precision
+    rewards = [{"correctness": 1.0}, {"correctness": 0.0}]
+    for use, precision in (("onednn", "bf16"), ("mkl", "ieee")):
+        monkeypatch.setenv("KILN_FP32_GEMM", use)
+        seen.clear()
+        m = trainer.step([Group(0, "a", "k", trajs[:2], rewards)])
+        assert m["grad_norm"] > 0 and seen
+        assert set(seen) == {precision if use == "mkl" or gemm.onednn_keeps_fp32() else "ieee"}
+        assert torch.backends.mkldnn.matmul.fp32_precision == before
 
 
 @pytest.mark.parametrize("aggregation", ["constant", "token_mean", "seq_mean"])
