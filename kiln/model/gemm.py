@@ -3,7 +3,7 @@ steps, long prefills): oneDNN where it keeps fp32, else MKL (torch's default).
 
 Why: torch hands fp32 GEMMs (linear layers, their backward, and the blocks of its CPU flash
 attention) to MKL, whose sgemm takes an AVX2 path on AMD CPUs. On a Zen 5 EPYC core MKL ran the
-RL trainer's products at 93-107 GFLOP/s and oneDNN the same products at 165-244, which made a
+RL trainer's products at 93-107 GFLOP/s and oneDNN the same products at 140-213, which made a
 trainer step 1.45x faster (docs/architecture.md, RL, Trainer). torch sends fp32 products to oneDNN
 only under `torch.backends.mkldnn.matmul.fp32_precision = "bf16"`, a setting that *permits*
 oneDNN to round the inputs to bf16 where it has such a kernel (AMX CPUs). kiln wants fp32, so it

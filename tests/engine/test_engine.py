@@ -10,7 +10,9 @@ import torch
 
 from kiln.engine import Engine, SamplingParams
 from kiln.engine.kvcache import KVCache
+from kiln.engine.native import NATIVE_PREFILL
 from kiln.engine.runner import EngineRunner
+from kiln.model import gemm
 from kiln.model.tokenizer import load_tokenizer
 from tests.threads import one_thread  # noqa: F401 - autouse: one torch thread in this module
 from tests.tiny_model import (
@@ -76,6 +78,26 @@ def test_requests_admitted_while_others_run_match_running_alone(model):
         engine.step()
     assert first.wait(1).token_ids == greedy_by_recomputation(model, PROMPTS[1], 12)
     assert late.wait(1).token_ids == greedy_by_recomputation(model, PROMPTS[2], 10)
+
+
+def test_prefills_past_the_native_step_compute_where_gemm_routes_and_decoding_does_not(model):
+    """kiln/model/gemm.py: a long prefill's products are large enough for oneDNN; decoding's are not."""
+    engine = Engine(model, max_batch=1, max_len=NATIVE_PREFILL + 64)
+    seen = []
+    hook = model.model.layers[0].register_forward_pre_hook(lambda *_: seen.append(torch.backends.mkldnn.matmul.fp32_precision))
+    if engine.fast is not None:  # the engine's own forward, past the model's modules
+        fast = engine.fast
+        engine.fast = lambda *a: (seen.append(torch.backends.mkldnn.matmul.fp32_precision), fast(*a))[1]
+    before = torch.backends.mkldnn.matmul.fp32_precision
+    engine.native = None  # every call through torch, decoding's one-token ones included
+    try:
+        out = engine.generate([[(7 * i) % 500 + 3 for i in range(NATIVE_PREFILL + 20)]], GREEDY)[0]
+    finally:
+        hook.remove()
+    assert len(out.token_ids) == GREEDY.max_tokens and len(seen) == GREEDY.max_tokens
+    routed = "bf16" if gemm.backend() == "onednn" else "ieee"
+    assert seen[0] == routed and set(seen[1:]) == {before}  # the prefill, then each decoding step
+    assert torch.backends.mkldnn.matmul.fp32_precision == before
 
 
 # ---- sampling ---------------------------------------------------------------------------------

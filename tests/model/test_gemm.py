@@ -1,5 +1,5 @@
-"""kiln/model/gemm.py: training's fp32 products go to oneDNN only where they stay fp32, come out as
-MKL's do, and torch's setting is back to its own outside a training step."""
+"""kiln/model/gemm.py: routed() sends fp32 products to oneDNN only where they stay fp32, they come out
+as MKL's do, and torch's setting is back to its own outside it."""
 import pytest
 import torch
 import torch.nn.functional as F
@@ -43,7 +43,7 @@ def test_the_probe_tells_bf16_rounding_from_fp32():
     ref = a.double() @ b.double()
     rounded = a.bfloat16().float() @ b.bfloat16().float()
     assert float((rounded - ref).abs().max() / ref.abs().max()) > 100 * gemm.FP32_ERROR
-    assert gemm.probe_error() <= gemm.FP32_ERROR  # outside training(): torch's own products
+    assert gemm.probe_error() <= gemm.FP32_ERROR  # outside routed(): torch's own products
 
 
 def test_the_environment_chooses(monkeypatch):
