@@ -279,11 +279,16 @@ def test_weight_swap_from_another_thread_while_a_loop_steps():
     engine = Engine(model, max_batch=8)
     reqs = [engine.submit([3 + i, 4, 5], SamplingParams(temperature=0, max_tokens=150)) for i in range(8)]
     errors: list[Exception] = []
+    sent = threading.Event()
 
     def loop():
         try:
             while engine.busy:
                 engine.step()
+                if len(reqs[0].tokens) >= 3:
+                    # The update lands mid-generation however the threads are scheduled: a native run
+                    # decodes all 150 tokens in ~0.1 s, which a descheduled main thread once missed in CI.
+                    sent.wait(20)
         except Exception as e:  # noqa: BLE001 - surfaced by the assertion below, not lost in the thread
             errors.append(e)
             engine.fail_all(e)
@@ -294,6 +299,7 @@ def test_weight_swap_from_another_thread_while_a_loop_steps():
     while len(reqs[0].tokens) < 3 and time.monotonic() < deadline:
         time.sleep(0.001)
     engine.update_weights(new, version=7)
+    sent.set()
     t.join(30)
     assert not t.is_alive() and errors == []
     for r in reqs:
