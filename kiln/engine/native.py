@@ -31,9 +31,10 @@ from kiln.model.causal_lm import CausalLM
 from kiln.model.moe import MoeBlock
 
 MAX_TOKENS = 16  # of one row in a decoding or verification call: its last token and its drafts
-# Prefills of up to this many tokens (most agent turns' new tokens) go through native.c in one call,
-# longer ones through torch: what ran fastest on RL rollouts (docs: "Engine", "Native prefills").
-NATIVE_PREFILL = 256
+# Prefills of up to this many tokens (nearly every agent turn's new tokens) go through native.c in one
+# call, longer ones through torch: what ran fastest on recorded RL conversations (docs: "Native
+# prefills"; 1.09-1.15x over 256 on a Zen 5). A call's scratch grows ~84 KB a token (88 MB at 1,024).
+NATIVE_PREFILL = 1024
 # Up to this many sequences decode in one native.c call (each weight streamed once for all of them);
 # more share torch's batched matmuls.
 NATIVE_MAX_BATCH = 64
