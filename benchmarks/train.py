@@ -83,13 +83,13 @@ def step(model, opt, loss_fn, batch, clip: float, autocast) -> float:
 kiln_step = gemm.routed()(step)
 
 
-def timed_steps(model, opt, loss_fn, batch, n: int, clip: float, autocast, device: str) -> float:
-    """Seconds for n steps."""
+def timed_steps(step_fn, model, opt, loss_fn, batch, n: int, clip: float, autocast, device: str) -> float:
+    """Seconds for n steps of step_fn."""
     if device == "cuda":
         torch.cuda.synchronize()
     t = time.perf_counter()
     for _ in range(n):
-        (kiln_step if loss_fn is kiln_loss else step)(model, opt, loss_fn, batch, clip, autocast)
+        step_fn(model, opt, loss_fn, batch, clip, autocast)
     if device == "cuda":
         torch.cuda.synchronize()
     return time.perf_counter() - t
@@ -136,8 +136,8 @@ def main() -> None:
             step(hf, h_opt, hf_loss, batch, p.grad_clip, autocast)
         k_times, h_times = [], []
         for _ in range(args.repeats):  # alternating: background load hits both
-            k_times.append(timed_steps(kiln, k_opt, kiln_loss, batch, args.steps, p.grad_clip, autocast, dev))
-            h_times.append(timed_steps(hf, h_opt, hf_loss, batch, args.steps, p.grad_clip, autocast, dev))
+            k_times.append(timed_steps(kiln_step, kiln, k_opt, kiln_loss, batch, args.steps, p.grad_clip, autocast, dev))
+            h_times.append(timed_steps(step, hf, h_opt, hf_loss, batch, args.steps, p.grad_clip, autocast, dev))
         tokens = args.steps * b * t
         k_tps, h_tps = tokens / statistics.median(k_times), tokens / statistics.median(h_times)
         r[f"tokens_per_s_{name}"], r[f"hf_tokens_per_s_{name}"] = k_tps, h_tps
