@@ -117,6 +117,7 @@ class Engine:
         self.spec_stats = SpecStats(mtp.depth if mtp is not None else lookup)
         self.wake = threading.Event()  # set when work arrives (serve's loop sleeps on it)
         self._applied = threading.Condition()  # notified when new weights take effect
+        self._spec_struct = None  # runs.py's view of the drafter and caches for native.c, kept between runs
 
     # ---- called from any thread -------------------------------------------------------------
     def submit(self, prompt_ids: list[int], params: SamplingParams | None = None, stream: bool = False) -> Request:

@@ -91,7 +91,7 @@ def speculative(engine, rs) -> bool:
     routes = routes[:steps].view(steps, b, t, *routes.shape[2:]) if native.n_moe and engine.capture_routes else None
     stats = engine.spec_stats
     for i, r in enumerate(rs):
-        new, fed = [], []
+        new = []
         for s in range(steps):
             a = acc[s][i]
             new += zip(toks[s][i][:a + 1], lps[s][i][:a + 1])
@@ -100,9 +100,7 @@ def speculative(engine, rs) -> bool:
                 stats.proposed[j] += 1
             for j in range(a):
                 stats.accepted[j] += 1
-            if routes is not None:
-                fed.append(routes[s, i, :a + 1])
-        _emit(engine, r, new, torch.cat(fed).to(torch.int16) if fed else None, length[i])
+        _emit(engine, r, new, _kept(routes, i, [a + 1 for a in (acc[s][i] for s in range(steps))]), length[i])
         r.drafts, r.draft_probs = list(drafts[i * depth:(i + 1) * depth]), [None] * depth
         r.mtp_tail = tail[i, :tail_rows[i]] if tail_rows[i] else None
         r.drafted = drafted[i]
@@ -146,7 +144,7 @@ def lookup(engine, rs, ngram: int) -> bool:
     stats = engine.spec_stats
     _put_back(rs, states, used)
     for i, r in enumerate(rs):
-        new, chunks = [], []
+        new = []
         for s in range(steps):
             k, d = kept[s][i], fed[s][i] - 1
             new += zip(toks[s][i][:k], lps[s][i][:k])
@@ -155,9 +153,7 @@ def lookup(engine, rs, ngram: int) -> bool:
                 stats.proposed[j] += 1
             for j in range(k - 1):
                 stats.accepted[j] += 1
-            if routes is not None:
-                chunks.append(routes[s, i, :k])
-        _emit(engine, r, new, torch.cat(chunks).to(torch.int16) if chunks else None, length[i])
+        _emit(engine, r, new, _kept(routes, i, [kept[s][i] for s in range(steps)]), length[i])
     return True
 
 
@@ -194,6 +190,16 @@ def _emit(engine, r, new: list, routes: torch.Tensor | None, length: int | None 
         r.length -= fed - (len(r.tokens) - before)
 
 
+def _kept(routes: torch.Tensor | None, i: int, counts: list[int]) -> torch.Tensor | None:
+    """Row i's routes [steps, b, t, ...] at the first counts[s] positions of each step, in order, as
+    int16 (one gather: a slice a step cost more than the rest of a run's bookkeeping)."""
+    if routes is None:
+        return None
+    t = routes.shape[2]
+    rows = routes[:, i].reshape(len(counts) * t, *routes.shape[3:])
+    return rows[torch.tensor([s * t + j for s, c in enumerate(counts) for j in range(c)])].to(torch.int16)
+
+
 def _stops(rs):
     """Each row's stop ids, flat, and where each row's begin (C int64s, int32s)."""
     flat = [t for r in rs for t in sorted(r.stop_ids)]
@@ -223,6 +229,17 @@ class _Spec(ctypes.Structure):
 
 
 def _spec(engine) -> _Spec:
+    """The engine's _Spec, built again only when what it points to moved (new weights rebuild the
+    native structs and the drafter's head rows): building it was a tenth of a run's Python."""
+    native, kept = engine.native, engine._spec_struct
+    if kept is not None and kept.m == ctypes.addressof(native.struct) and kept.mtp == ctypes.addressof(
+            native.mtp_struct) and kept.draft_head == (None if native.draft_head is None else native.draft_head.data_ptr()):
+        return kept
+    engine._spec_struct = _build_spec(engine)
+    return engine._spec_struct
+
+
+def _build_spec(engine) -> _Spec:
     native, mtp, cache, mcache = engine.native, engine.mtp, engine.cache, engine.mtp_cache
     norms = (ctypes.c_void_p * mtp.depth)(*(layer.norm.weight.data_ptr() for layer in mtp.layers))
     ids = None if engine.draft_ids is None else engine.draft_ids.to(torch.int64).contiguous()

@@ -14,6 +14,7 @@ import torch
 
 from kiln.engine import Engine, SamplingParams, runs
 from kiln.engine.native import DECODE_RUN
+from kiln.engine.speculative import SpecStats
 from kiln.model.mtp import MTP
 from kiln.model.tokenizer import load_tokenizer
 from tests.threads import one_thread  # noqa: F401 - autouse: one torch thread in this module
@@ -122,6 +123,31 @@ def test_speculative_runs_equal_steps(models, depth, counted):
     # the drafter's cache and what the prefix cache kept of it, bit for bit
     assert torch.equal(ran.mtp_cache.k, steps.mtp_cache.k) and torch.equal(ran.mtp_cache.v, steps.mtp_cache.v)
     assert [e.drafted for e in ran.prefix.entries] == [e.drafted for e in steps.prefix.entries]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_speculative_runs_after_new_weights_use_them(dtype, counted):
+    """A speculative run reuses its view of the drafter and caches between runs (runs._spec) until
+    new weights move what it points to (the native structs, the drafter's head rows, a bf16
+    sampler's copies): after update_weights, the same tokens and drafts as an engine built on the
+    new weights."""
+    prompts, params = [[5, 17, 3], [7] * 17], SamplingParams(temperature=0, max_tokens=40, stop_token_ids=())
+    new_model = tiny_model(1)[0]
+    plain = [c.token_ids for c in Engine(copy.deepcopy(new_model), max_batch=2).generate(prompts, params)]
+    # Both drafters draft only the new model's most frequent greedy token (an engine keeps its draft
+    # vocabulary), so the new one is often right.
+    favoured = [max(range(512), key=lambda x: sum(c.count(x) for c in plain))]
+    model, mtp = copy.deepcopy(tiny_model(0)[0]), drafter(*tiny_model(0), 2, favoured)
+    new_mtp = drafter(*tiny_model(1), 2, favoured)
+    kw = {"max_batch": 2, "max_len": 64, "draft_vocab": 1, "weight_dtype": dtype}
+    engine = Engine(model, mtp=copy.deepcopy(mtp), **kw)
+    engine.generate(prompts, params)
+    engine.update_weights(new_model.state_dict(), version=1, mtp_state=new_mtp.state_dict())
+    engine.spec_stats = SpecStats(2)
+    got = [c.token_ids for c in engine.generate(prompts, params)]
+    fresh = Engine(copy.deepcopy(new_model), mtp=copy.deepcopy(new_mtp), **kw)
+    assert got == [c.token_ids for c in fresh.generate(prompts, params)] and counted["speculative"] > 0
+    assert vars(engine.spec_stats) == vars(fresh.spec_stats) and sum(fresh.spec_stats.accepted) > 0
 
 
 @pytest.mark.parametrize("depth,dtypes", [(1, {}), (4, {}),
