@@ -58,7 +58,8 @@ class Engine:
     def __init__(self, model, tokenizer=None, mtp=None, max_batch: int = 8, max_len: int | None = None,
                  version: int = 0, capture_routes: bool = True, native: bool = True, prefix_slots: int = 0,
                  weight_dtype: torch.dtype = torch.float32, draft_vocab: int | None = None,
-                 carry_turns: bool = False, lookup: int = 0, kv_dtype: torch.dtype | None = None):
+                 carry_turns: bool = False, lookup: int = 0, kv_dtype: torch.dtype | None = None,
+                 draft_dtype: torch.dtype = torch.bfloat16):
         """lookup: prompt-lookup drafts a step (lookup.py), without an MTP drafter; 0 = none.
         prefix_slots: finished sequences kept for prefix reuse (prefix.py); 0 = none. carry_turns:
         after new weights a kept sequence still serves its own conversation's next turn (prefix.py).
@@ -70,12 +71,17 @@ class Engine:
         of the weight matrices, torch (prefills) the rounded fp32 values, activations stay fp32.
         kv_dtype bfloat16 (an fp32 model): keys and values are cached rounded to bf16, half the bytes
         a decoding step reads from a long context; attention's arithmetic stays fp32. Default: the
-        model's dtype."""
+        model's dtype.
+        draft_dtype bfloat16 (the default): the MTP drafter's parameters are rounded to bf16 in place
+        (here and at every weight update) and the native step reads bf16 copies of its matrices and
+        of its head rows, half the bytes a draft reads; the embedding it reads is the model's. Drafts
+        never change the output, only the share accepted. float32 keeps an fp32 model's drafter."""
         cfg = model.config
         if not 0 <= lookup < MAX_TOKENS or (lookup and mtp is not None):
             raise ValueError(f"lookup must be 0-{MAX_TOKENS - 1} drafts, and 0 with an MTP drafter (got {lookup})")
-        if weight_dtype not in (torch.float32, torch.bfloat16):
-            raise ValueError(f"weight_dtype must be torch.float32 or torch.bfloat16, not {weight_dtype}")
+        for name, dt in (("weight_dtype", weight_dtype), ("draft_dtype", draft_dtype)):
+            if dt not in (torch.float32, torch.bfloat16):
+                raise ValueError(f"{name} must be torch.float32 or torch.bfloat16, not {dt}")
         p = next(model.parameters())
         if weight_dtype == torch.bfloat16 and p.dtype != torch.float32:
             raise ValueError(f"a bf16 sampler keeps fp32 activations: give an fp32 model (this one is {p.dtype})")
@@ -88,6 +94,7 @@ class Engine:
         self.max_batch = max_batch
         self.max_len = max_len or cfg.max_position_embeddings
         self.device, self.dtype, self.weight_dtype = p.device, p.dtype, weight_dtype
+        self.draft_dtype = torch.bfloat16 if torch.bfloat16 in (weight_dtype, draft_dtype) else torch.float32
         self._round()
         self.cache = KVCache(cfg.num_hidden_layers, max_batch, self.max_len, cfg.num_key_value_heads,
                              cfg.head_dim, kv_dtype, self.device)
@@ -106,9 +113,11 @@ class Engine:
             draft_vocab = cfg.vocab_size // DRAFT_SHARE
         self.draft_ids = mtp.draft_ids(draft_vocab) if mtp is not None else None
         self._draft_list = self.draft_ids.tolist() if self.draft_ids is not None else None
-        self.native = NativeTrunk(model, lib, self.max_len, mtp, weight_dtype, self.draft_ids) if lib is not None else None
+        self.native = NativeTrunk(model, lib, self.max_len, mtp, weight_dtype, self.draft_ids,
+                                  self.draft_dtype) if lib is not None else None
         self.sampler = NativeSampler(lib) if lib is not None else None  # untruncated rows; the rest through torch
         self.runs = True  # several steps a native call where the rows allow it (runs.py); False: a step a call
+        self._spec_struct = None  # runs.py's view of the drafter and caches for native.c, kept between runs
         self.running: list[Request] = []
         self.waiting: queue.Queue[Request] = queue.Queue()
         self._pending: tuple | None = None
@@ -117,7 +126,6 @@ class Engine:
         self.spec_stats = SpecStats(mtp.depth if mtp is not None else lookup)
         self.wake = threading.Event()  # set when work arrives (serve's loop sleeps on it)
         self._applied = threading.Condition()  # notified when new weights take effect
-        self._spec_struct = None  # runs.py's view of the drafter and caches for native.c, kept between runs
 
     # ---- called from any thread -------------------------------------------------------------
     def submit(self, prompt_ids: list[int], params: SamplingParams | None = None, stream: bool = False) -> Request:
@@ -223,14 +231,12 @@ class Engine:
             self._applied.notify_all()
 
     def _round(self) -> None:
-        """A bf16 sampler's parameters hold bf16 values (exact in fp32, so torch computes on them as
-        they are); a no-op for the bf16 weights the trainer publishes."""
-        if self.weight_dtype == torch.float32:
-            return
+        """A bf16 sampler's (or drafter's) parameters hold bf16 values (exact in fp32, so torch computes
+        on them as they are); a no-op for the bf16 weights the trainer publishes."""
         with torch.no_grad():
-            for module in (self.model, self.mtp):
-                for t in (module.parameters() if module is not None else ()):
-                    t.copy_(t.to(self.weight_dtype))
+            for module, dtype in ((self.model, self.weight_dtype), (self.mtp, self.draft_dtype)):
+                for t in (module.parameters() if module is not None and dtype != torch.float32 else ()):
+                    t.copy_(t.to(dtype))
 
     def sampler_weights(self) -> dict[str, torch.Tensor]:
         """The model's weights as this engine samples with them, by state-dict name, in its weight

@@ -33,10 +33,12 @@
 #include <stdint.h>
 #include <string.h>
 
-/* Weight matrices (void: fp32, or bf16 when wbf16) and fp32 norm weights. */
+/* Weight matrices (void: fp32, or bf16 when wbf16) and fp32 norm weights; the embedding and output
+ * head are bf16 when ebf16 (equal to wbf16 but in a bf16 drafter over an fp32 model, whose own
+ * matrices are bf16 and whose embedding and head are the model's). */
 typedef struct {
     int n_layers, dim, n_heads, n_kv_heads, head_dim, n_experts, top_k, moe_inner, dense_inner;
-    int norm_topk, max_tokens, wbf16;
+    int norm_topk, max_tokens, wbf16, ebf16;
     float eps;
     const void *embed, *head;
     const float *inv_freq;
@@ -476,11 +478,11 @@ static void products(const Product *p, const int *start, int parts) {
     parallel(products_rows, &a, start[parts], floats >= SPLIT_MIN_WORK || work >= 4 * SPLIT_MIN_WORK ? floats : 0);
 }
 
-/* y[n * ys + r] = W[r] . x[n * xs] for rows r < rows of the model's weight matrix W [rows, cols]
+/* y[n * ys + r] = W[r] . x[n * xs] for rows r < rows of the weight matrix W [rows, cols] (bf: bf16)
  * and n < N. */
-static void matmul(const Model *m, const void *w, const float *x, int64_t xs, float *y, int64_t ys, int rows, int cols,
+static void matmul(int bf, const void *w, const float *x, int64_t xs, float *y, int64_t ys, int rows, int cols,
                    int N) {
-    const Product a = {w, x, y, cols, N, m->wbf16, xs, ys};
+    const Product a = {w, x, y, cols, N, bf, xs, ys};
     const int start[2] = {0, rows};
     products(&a, start, 1);
 }
@@ -800,7 +802,7 @@ static void block(const Model *m, int l, float *hidden, const Batch *bt, int32_t
     int64_t ctx = 0;
     for (int b = 0; b < B; b++) ctx += bt->pos0[b] + bt->off[b + 1] - bt->off[b];
     parallel(attend_units, &a, B * KV, ctx * KVD * 2);
-    matmul(m, m->wo[l], att, Q, y, D, D, Q, N);
+    matmul(m->wbf16, m->wo[l], att, Q, y, D, D, Q, N);
     for (int n = 0; n < N; n++)
         for (int i = 0; i < D; i++) hidden[(int64_t)n * D + i] += y[(int64_t)n * D + i];
 
@@ -814,7 +816,7 @@ static void block(const Model *m, int l, float *hidden, const Batch *bt, int32_t
         const int gate_up_rows[3] = {0, I, 2 * I};
         products(gate_up, gate_up_rows, 2);
         for (int n = 0; n < N; n++) swiglu(gu + (int64_t)n * 2 * I, gu + (int64_t)n * 2 * I + I, act + (int64_t)n * I, I);
-        matmul(m, m->down_dense[l], act, I, y, D, D, I, N);
+        matmul(m->wbf16, m->down_dense[l], act, I, y, D, D, I, N);
         for (int n = 0; n < N; n++)
             for (int i = 0; i < D; i++) hidden[(int64_t)n * D + i] += y[(int64_t)n * D + i];
         return;
@@ -822,7 +824,7 @@ static void block(const Model *m, int l, float *hidden, const Batch *bt, int32_t
     const int I = m->moe_inner;
     float *probs = scratch + s.probs, *xg = scratch + s.xg, *weight = scratch + s.route + (int64_t)N * K;
     int32_t *chosen = (int32_t *)(scratch + s.route), *slots = (int32_t *)(scratch + s.route + 2 * (int64_t)N * K);
-    matmul(m, m->router[l], h, D, probs, E, E, D, N);
+    matmul(m->wbf16, m->router[l], h, D, probs, E, E, D, N);
     for (int n = 0; n < N; n++) {
         if (need && !need[n]) {  /* routed nowhere: no expert reads it */
             for (int j = 0; j < K; j++) chosen[(int64_t)n * K + j] = -1, weight[(int64_t)n * K + j] = 0.f;
@@ -920,7 +922,7 @@ void kiln_trunk(const Model *m, int B, int T, const int32_t *lens, const int64_t
     offsets(B, T, lens, off);
     int n_moe = 0;
     for (int l = 0; l < m->n_layers; l++) n_moe += m->router[l] != NULL;
-    for (int n = 0; n < off[B]; n++) weight_row(m->embed, m->wbf16, ids[n], D, hidden + (int64_t)n * D);
+    for (int n = 0; n < off[B]; n++) weight_row(m->embed, m->ebf16, ids[n], D, hidden + (int64_t)n * D);
     Batch bt = {B, T, max_len, pos0, off, k_cache, v_cache, slot_stride, kv_bf16};
     rope_tables(m, &bt, scratch + layout(m, B, T).rope);
     for (int l = 0, moe_i = 0; l < m->n_layers; l++) {
@@ -945,10 +947,10 @@ void kiln_mtp_layer(const Model *m, int l, int B, int T, const float *h_in, cons
     for (int n = 0; n < N; n++) {
         rms_norm(h_in + (int64_t)n * D, m->hnorm[l], cat + (int64_t)n * 2 * D, D, m->eps);
         float *e = cat + (int64_t)n * 2 * D + D;
-        weight_row(m->embed, m->wbf16, ids[n], D, e);
+        weight_row(m->embed, m->ebf16, ids[n], D, e);
         rms_norm(e, m->enorm[l], e, D, m->eps);  /* elementwise after the sum: in place is safe */
     }
-    matmul(m, m->eh_proj[l], cat, 2 * D, out, D, D, 2 * D, N);
+    matmul(m->wbf16, m->eh_proj[l], cat, 2 * D, out, D, D, 2 * D, N);
     Batch bt = {B, T, max_len, pos0, off, elem_ptr(k_cache, l * layer_stride, kv_bf16),
                 elem_ptr(v_cache, l * layer_stride, kv_bf16), slot_stride, kv_bf16};
     rope_tables(m, &bt, scratch + s.rope);
@@ -956,11 +958,12 @@ void kiln_mtp_layer(const Model *m, int l, int B, int T, const float *h_in, cons
 }
 
 /* logits [N, V] = head(norm(hidden [N, D])), norm the final norm's weight (or an MTP layer's), head
- * the model's output head, or w (V rows of it, e.g. the drafter's most frequent tokens) when given. */
+ * the model's output head, or w (V rows of it, e.g. the drafter's most frequent tokens, copied in
+ * the dtype of m's own matrices: the drafter's struct) when given. */
 void kiln_head(const Model *m, const float *norm, const void *w, const float *hidden, int N, int vocab, float *logits,
                float *scratch) {
     for (int n = 0; n < N; n++) rms_norm(hidden + (int64_t)n * m->dim, norm, scratch + (int64_t)n * m->dim, m->dim, m->eps);
-    matmul(m, w ? w : m->head, scratch, m->dim, logits, vocab, vocab, m->dim, N);
+    matmul(w ? m->wbf16 : m->ebf16, w ? w : m->head, scratch, m->dim, logits, vocab, vocab, m->dim, N);
 }
 
 /* ---- sampling one row of logits ---------------------------------------------------------------- *
@@ -1233,7 +1236,7 @@ int kiln_spec_decode(const Spec *c, int B, int n, int64_t *last, int64_t *drafts
                                c->mlayer_stride, c->max_len, c->kv_bf16, out, scratch, k == D ? need : NULL);
                 for (int b = 0; b < B; b++)
                     memcpy(at + (int64_t)b * dim, out + ((int64_t)b * t + lastv[b]) * dim, (size_t)dim * sizeof(float));
-                kiln_head(m, c->mtp_norms[k - 1], c->draft_head, at, B, c->draft_vocab, dl, scratch);
+                kiln_head(c->mtp, c->mtp_norms[k - 1], c->draft_head, at, B, c->draft_vocab, dl, scratch);
                 for (int b = 0; b < B; b++) {
                     float unused;
                     const int64_t j = kiln_sample(dl + (int64_t)b * c->draft_vocab, c->draft_vocab, 0.f, 0.f, -1, &unused,

@@ -55,7 +55,7 @@ DTYPES = (torch.float32, torch.bfloat16)
 class _Model(ctypes.Structure):
     _fields_ = ([(n, ctypes.c_int) for n in ("n_layers", "dim", "n_heads", "n_kv_heads", "head_dim", "n_experts",
                                              "top_k", "moe_inner", "dense_inner", "norm_topk", "max_tokens",
-                                             "wbf16")]
+                                             "wbf16", "ebf16")]
                 + [("eps", ctypes.c_float)]
                 + [(n, _P) for n in ("embed", "head", "inv_freq")]
                 + [(n, _PP) for n in ("ln1", "q_norm", "k_norm", "ln2", "wq", "wk", "wv", "wo", "router", "gate_up",
@@ -156,10 +156,12 @@ def _ptr(t: torch.Tensor | None):
     return ctypes.cast(t.data_ptr(), _P) if t is not None else None
 
 
-def _struct(model, layers, max_len: int, keep: list, weight, mtp_layers=None) -> _Model:
+def _struct(model, layers, max_len: int, keep: list, weight, mtp_layers=None, shared=None) -> _Model:
     """The C view of decoder `layers` (the trunk's, or the MTP blocks with `mtp_layers` giving
     their input norms and projection) over the model's embedding and output head; `weight(t)` is
-    the tensor the C code reads for weight matrix t (t itself, or its bf16 copy)."""
+    the tensor the C code reads for weight matrix t (t itself, or its bf16 copy), `shared(t)`
+    (default `weight`) for the embedding and head."""
+    shared = shared or weight
     cfg = model.config
     moe = [isinstance(layer.mlp, MoeBlock) for layer in layers]
 
@@ -182,8 +184,9 @@ def _struct(model, layers, max_len: int, keep: list, weight, mtp_layers=None) ->
         n_kv_heads=cfg.num_key_value_heads, head_dim=cfg.head_dim, n_experts=max(cfg.num_experts, 1),
         top_k=cfg.num_experts_per_tok, moe_inner=cfg.moe_intermediate_size if any(moe) else 0,
         dense_inner=cfg.intermediate_size if not all(moe) else 0, norm_topk=int(cfg.norm_topk_prob),
-        max_tokens=max_len, wbf16=int(weight(model.lm_head.weight).dtype == torch.bfloat16), eps=cfg.rms_norm_eps,
-        embed=_ptr(weight(model.model.embed_tokens.weight)), head=_ptr(weight(model.lm_head.weight)),
+        max_tokens=max_len, wbf16=int(weight(layers[0].self_attn.q_proj.weight).dtype == torch.bfloat16),
+        ebf16=int(shared(model.lm_head.weight).dtype == torch.bfloat16), eps=cfg.rms_norm_eps,
+        embed=_ptr(shared(model.model.embed_tokens.weight)), head=_ptr(shared(model.lm_head.weight)),
         inv_freq=_ptr(inv_freq),
         ln1=per_layer(lambda la: la.input_layernorm.weight, matrix=False),
         wq=per_layer(lambda la: la.self_attn.q_proj.weight),
@@ -243,13 +246,17 @@ class NativeTrunk:
     MTP module, `mtp_layer` runs one of its layers (the drafter).
 
     `dtype` bfloat16: the weight matrices are read from bf16 copies of the model's parameters,
-    made by `refresh` (`held`, by parameter); everything else stays fp32."""
+    made by `refresh` (`held`, by parameter); everything else stays fp32. `draft_dtype` (default
+    `dtype`) the same for the drafter's own matrices and its head rows (its embedding and head are
+    the model's)."""
 
     def __init__(self, model, lib: ctypes.CDLL, max_len: int, mtp=None, dtype: torch.dtype = torch.float32,
-                 draft_ids: torch.Tensor | None = None):
-        if dtype not in DTYPES:
-            raise ValueError(f"the native step reads float32 or bfloat16 weights, not {dtype}")
+                 draft_ids: torch.Tensor | None = None, draft_dtype: torch.dtype | None = None):
+        draft_dtype = draft_dtype or dtype
+        if dtype not in DTYPES or draft_dtype not in DTYPES:
+            raise ValueError(f"the native step reads float32 or bfloat16 weights, not {dtype} / {draft_dtype}")
         self.model, self.mtp, self.lib, self.max_len, self.dtype = model, mtp, lib, max_len, dtype
+        self.draft_dtype = draft_dtype
         self.draft_ids = draft_ids  # the drafter's vocabulary (head rows), None = all
         self._scratch = torch.empty(0)
         self._sizes: dict[tuple[int, int], int] = {}  # scratch floats by (rows, tokens)
@@ -268,20 +275,20 @@ class NativeTrunk:
         self.dim, self.vocab, self.top_k = cfg.hidden_size, cfg.vocab_size, cfg.num_experts_per_tok
         self.final_norm = self.model.model.norm.weight
         self.n_moe = sum(isinstance(layer.mlp, MoeBlock) for layer in layers)
-        # The drafter's head rows, contiguous (and in the sampler's dtype), copied again at every refresh.
+        # The drafter's head rows, contiguous (and in its dtype), copied again at every refresh.
         self.draft_head = None if self.draft_ids is None else \
-            self.model.lm_head.weight.detach()[self.draft_ids].to(self.dtype).contiguous()
+            self.model.lm_head.weight.detach()[self.draft_ids].to(self.draft_dtype).contiguous()
         self.mtp_struct = None if self.mtp is None else _struct(
-            self.model, [ml.block for ml in self.mtp.layers], self.max_len, self._keep, self._weight,
-            list(self.mtp.layers))
+            self.model, [ml.block for ml in self.mtp.layers], self.max_len, self._keep,
+            lambda t: self._weight(t, self.draft_dtype), list(self.mtp.layers), shared=self._weight)
         self.mtp_ref = None if self.mtp is None else ctypes.byref(self.mtp_struct)
 
-    def _weight(self, t: torch.Tensor) -> torch.Tensor:
-        if self.dtype == torch.float32:
+    def _weight(self, t: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+        if (dtype or self.dtype) == torch.float32:
             return t
         key = t.data_ptr()
         if key not in self.held:
-            self.held[key] = t.detach().to(self.dtype)
+            self.held[key] = t.detach().to(torch.bfloat16)
         return self.held[key]
 
     def scratch(self, b: int, t: int) -> int:
@@ -363,7 +370,7 @@ class NativeTrunk:
         w = self.draft_head if drafts else None
         vocab = self.vocab if w is None else w.shape[0]
         logits = torch.empty(flat.shape[0], vocab)
-        self.lib.kiln_head(self.ref, (self.final_norm if norm is None else norm).data_ptr(),
+        self.lib.kiln_head(self.mtp_ref if drafts else self.ref, (self.final_norm if norm is None else norm).data_ptr(),
                            None if w is None else w.data_ptr(), flat.data_ptr(), flat.shape[0], vocab,
                            logits.data_ptr(), self.scratch(flat.shape[0], 1))
         return logits.view(*hidden.shape[:-1], vocab)

@@ -75,6 +75,46 @@ def test_a_bf16_step_is_the_fp32_step_on_the_rounded_weights_bit_for_bit():
 
 
 @torch.inference_mode()
+def test_a_bf16_drafter_is_the_fp32_drafter_on_its_rounded_weights_bit_for_bit():
+    """The drafter's own matrices and head rows read as bf16 over an fp32 model (Engine's default
+    draft_dtype): its layer is the fp32 one on the rounded drafter and its draft logits the fp32 ones
+    on the rounded head rows, bit for bit; the trunk, the head and the drafter's embedding rows stay
+    the model's fp32 values."""
+    model, mtp = odd_model()
+    with torch.no_grad():  # a model that bf16 cannot hold: reading any of it as bf16 would show
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 1e-3)
+    ids = torch.randint(0, 300, (3, 21), generator=torch.Generator().manual_seed(0))
+    rows = torch.tensor([0, 5, 17, 299])
+    drafter = NativeTrunk(model, library(), 64, mtp, draft_ids=rows, draft_dtype=torch.bfloat16)
+    assert (drafter.struct.wbf16, drafter.struct.ebf16, drafter.mtp_struct.wbf16, drafter.mtp_struct.ebf16) == (0, 0, 1, 0)
+    assert len(drafter.held) == sum(p.ndim > 1 for p in mtp.parameters()) and drafter.draft_head.dtype == torch.bfloat16
+    fp32 = NativeTrunk(model, library(), 64, mtp, draft_ids=rows)
+    got, want = run(drafter, ids, mtp=True), run(fp32, ids, mtp=True)
+    norm, head_rounded = mtp.layers[0].norm.weight, copy.deepcopy(model)
+    rounded(head_rounded.lm_head)
+    got.append(drafter.head(got[3], norm=norm, drafts=True))
+    want.append(NativeTrunk(head_rounded, library(), 64, mtp, draft_ids=rows).head(want[3], norm=norm, drafts=True))
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+
+
+def test_the_engine_drafts_in_bf16_unless_told_not_to():
+    """Engine's draft_dtype: bfloat16 by default rounds the drafter's parameters in place (never the
+    model's), float32 leaves them, and anything else is refused."""
+    model, mtp = tiny_model(2)
+    before = [p.clone() for p in model.parameters()]
+    kept = copy.deepcopy(mtp)
+    Engine(model, mtp=kept, max_batch=1, draft_dtype=torch.float32)
+    assert all(torch.equal(a, b) for a, b in zip(kept.parameters(), mtp.parameters()))
+    engine = Engine(model, mtp=mtp, max_batch=1)
+    assert engine.draft_dtype == torch.bfloat16 and all(torch.equal(p, p.bfloat16().float()) for p in mtp.parameters())
+    assert not all(torch.equal(p, p.bfloat16().float()) for p in kept.parameters())
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    with pytest.raises(ValueError, match="draft_dtype must be torch.float32 or torch.bfloat16"):
+        Engine(model, mtp=mtp, max_batch=1, draft_dtype=torch.float16)
+
+
+@torch.inference_mode()
 def test_bf16_native_matches_torch_on_the_same_weights():
     model = rounded(tiny_model(1)[0])
     ids = torch.randint(0, 512, (1, 12), generator=torch.Generator().manual_seed(1))
