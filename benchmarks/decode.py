@@ -3,10 +3,11 @@
 1. kiln's engine against transformers' `generate` (the baseline: the same checkpoint loaded as
    `Qwen3MoeForCausalLM`), greedy, tokens/s at batch 1 and batch 8 (kiln's native C step,
    engine/native.c: at batch 8 one call for all rows, each weight read once);
-2. speculative decoding with a self-distilled MTP head against kiln's own plain decoding at batch
-   1 (the 8 prompts one after another): identical greedy outputs?, mean accepted drafts per step,
-   speedup, both over the same prompts; drafts from the engine's
-   default draft vocabulary (the MTP's most frequent training tokens) and from the whole one; and
+2. speculative decoding against kiln's own plain decoding at batch 1 (the 8 prompts one after
+   another), greedy outputs identical?, mean accepted drafts per step, speedup, all over the same
+   prompts: with prompt lookup (engine.lookup's drafts, copied from the sequence itself: what
+   agents' engines decode with), and with a self-distilled MTP head, its drafts from the engine's
+   default draft vocabulary (the MTP's most frequent training tokens) and from the whole one, and
    the same at the bf16 sampler (part 4's), against its own plain decoding;
 3. acceptance of the self-distilled head against a head trained on hard next-token labels for the
    same number of steps from the same initialisation;
@@ -23,13 +24,13 @@ About 12 minutes on 2 cores (training is most of it); the timed arms of each com
 turn nine times, and each takes its median. Each kiln engine is built once per arm, outside the
 timing, as the HF model is loaded once (with no prefix reuse, a call reuses nothing of the last). `--checkpoint DIR` decodes a trained checkpoint
 instead (e.g. the committed base, bases/tiny: the tiny preset's shape, trained on code) with its
-tokenizer, skipping the training and part 3, and part 2 too unless the checkpoint has an MTP
+tokenizer, skipping the training and part 3, and part 2's MTP arms unless the checkpoint has an MTP
 module (mtp.safetensors, e.g. a pretraining run's).
 
 Last line: `name=value` pairs including speedup_vs_hf_b1, speedup_vs_hf_b8, greedy_identical,
-spec_mean_accepted, spec_speedup, spec_full_vocab_speedup, spec_speedup_bf16, selfdistill_acceptance,
+spec_mean_accepted, spec_speedup, spec_full_vocab_speedup, spec_speedup_bf16, lookup_speedup, selfdistill_acceptance,
 hardlabel_acceptance, bf16_speedup_b1, bf16_speedup_b8; `*_rounds` give the middle half of the nine
-per-round ratios behind speedup_vs_hf_b1, speedup_vs_hf_b8 and spec_speedup (each a ratio of medians).
+per-round ratios behind speedup_vs_hf_b1, speedup_vs_hf_b8, spec_speedup and lookup_speedup (each a ratio of medians).
 """
 from __future__ import annotations
 
@@ -43,7 +44,7 @@ from pathlib import Path
 
 import torch
 
-from kiln.config import ModelSection, project_path
+from kiln.config import EngineConfig, ModelSection, project_path
 from kiln.engine import Engine, SamplingParams
 from kiln.engine.engine import DRAFT_SHARE
 from kiln.engine.speculative import SpecStats
@@ -200,11 +201,11 @@ def decode(args, tok, model, mtp_sd, mtp_hl, ckpt: Path) -> None:
 
     engines = {}  # built once per arm, outside the timing, as the HF model is loaded once
 
-    def kiln_generate(ps, mtp=None, batch=None, weights=model, dtype=torch.float32, draft_vocab=None):
-        key = (id(mtp), batch or len(ps), id(weights), dtype, draft_vocab)
+    def kiln_generate(ps, mtp=None, batch=None, weights=model, dtype=torch.float32, draft_vocab=None, lookup=0):
+        key = (id(mtp), batch or len(ps), id(weights), dtype, draft_vocab, lookup)
         if key not in engines:
             engines[key] = Engine(weights, mtp=mtp, max_batch=key[1], max_len=64 + n + 8, weight_dtype=dtype,
-                                  draft_vocab=draft_vocab)
+                                  draft_vocab=draft_vocab, lookup=lookup)
         engine = engines[key]
         engine.spec_stats = SpecStats(engine.spec_stats.depth)  # this call's drafts only
         outs = engine.generate(ps, greedy)
@@ -237,6 +238,20 @@ def decode(args, tok, model, mtp_sd, mtp_hl, ckpt: Path) -> None:
         r[f"bf16_greedy_prefix_b{b}"] = same
         print(f"batch {b}: kiln fp32 {b * n / f_s:.0f} tok/s, bf16 {b * n / b_s:.0f} tok/s, x{f_s / b_s:.2f}; "
               f"greedy tokens before the first that differs from fp32's: {same:.1%}", flush=True)
+
+    # Prompt lookup (engine.lookup: the drafter of kiln rl's workers and the bench's local policy), batch 1
+    # as part 2: drafts copied from each sequence's own text, verified as the MTP's are; nothing runs to draft.
+    depth = EngineConfig().lookup
+    kiln_generate(prompts[:1], batch=1, lookup=depth)  # warm up
+    (lp_s, (lp_out, _), lp_ts), (lk_s, (lk_out, lk_stats), lk_ts) = timed(
+        lambda: kiln_generate(prompts, batch=1), lambda: kiln_generate(prompts, batch=1, lookup=depth))
+    r["lookup_greedy_identical"] = lp_out == lk_out
+    r["lookup_mean_accepted"] = lk_stats.mean_accepted
+    r["lookup_speedup"] = lp_s / lk_s
+    r["lookup_speedup_rounds"] = spread(lp_ts, lk_ts)
+    print(f"prompt lookup, batch 1 ({len(prompts)} prompts in turn, up to {depth} drafts): x{lp_s / lk_s:.2f} plain "
+          f"({lk_stats.mean_accepted:.2f} accepted a step; middle half of the rounds {r['lookup_speedup_rounds']}), "
+          f"same tokens: {lp_out == lk_out}", flush=True)
 
     r.update(depth=model.config.num_hidden_layers, threads=torch.get_num_threads(), tokens=n, device=dev)
     if mtp_sd is None:
