@@ -7,6 +7,7 @@ import time
 import pytest
 
 from kiln.sandbox import SandboxError, create
+from kiln.sandbox.service import get_service
 
 
 def _host_procs_matching(marker: str) -> list[int]:
@@ -19,6 +20,15 @@ def _host_procs_matching(marker: str) -> list[int]:
         except OSError:
             pass
     return found
+
+
+def _cpu_set(cpu_list: str) -> set[int]:
+    """/proc's Cpus_allowed_list ("0-3,6") as a set of CPU ids."""
+    out = set()
+    for part in cpu_list.split(","):
+        lo, _, hi = part.partition("-")
+        out.update(range(int(lo), int(hi or lo) + 1))
+    return out
 
 
 def test_wall_timeout_kills_whole_tree_including_daemonised_grandchildren(box):
@@ -147,3 +157,29 @@ def test_cpus_pin_every_process_of_the_sandbox(base, cfg):
         sb.close()
     with pytest.raises(SandboxError, match=r"sandbox.cpus \[9999\].*this machine's CPUs are 0-"):
         create(base, cfg.model_copy(update={"cpus": [9999]}))
+
+
+def test_the_zygote_works_where_its_sandboxes_run(base, cfg):
+    """Creating (mounts, a fork's copy, the keeper's fork) is the sandbox's work: the zygote does it on
+    sandbox.cpus, not on its client's CPUs (an RL worker's engine), and on the client's for a sandbox
+    without sandbox.cpus, which runs where its starter does."""
+    home = os.sched_getaffinity(0)
+    if len(home) < 2:
+        pytest.skip("needs two CPUs to tell the sandbox's from its client's")
+    last = max(home)
+    zygote = get_service(base.state_dir).proc.pid
+    pinned = create(base, cfg.model_copy(update={"cpus": [last]}))
+    try:
+        assert os.sched_getaffinity(zygote) == {last}
+        fork = pinned.fork()
+        fork.close()
+        assert os.sched_getaffinity(zygote) == {last}
+        free = create(base, cfg)
+        try:
+            assert os.sched_getaffinity(zygote) == home
+            r = free.exec("grep Cpus_allowed_list /proc/self/status")
+            assert r.exit_code == 0 and _cpu_set(r.output.split()[-1]) == home, r.output
+        finally:
+            free.close()
+    finally:
+        pinned.close()
