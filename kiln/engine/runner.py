@@ -29,6 +29,11 @@ class EngineRunner:
     def start(self) -> None:
         self._thread.start()
 
+    @property
+    def thread_id(self) -> int | None:
+        """The engine thread's OS id once started (what CPU placement pins)."""
+        return self._thread.native_id
+
     def close(self) -> None:
         self._stop.set()
         self.engine.wake.set()

@@ -6,7 +6,8 @@ that: the OS hands an idle role's cores to the busy one. rl.trainer_cpus / rl.wo
 each role (every thread it has, and every thread and sandbox it starts); empty means all CPUs.
 Ray's CPU resource (rl.trainer_resources) only counts; this is what keeps roles off each other's
 cores. Each actor pins itself, so the ids are those of the node it runs on. sandbox.cpus moves
-the workers' sandboxes elsewhere (the recipe's environments are a service apart from inference).
+the workers' sandboxes elsewhere (the recipe's environments are a service apart from inference),
+and with them every thread of a worker but its engine's (`widen`).
 """
 from __future__ import annotations
 
@@ -47,12 +48,20 @@ def pin(cpus: list[int], threads: int | None = None) -> int:
     return n
 
 
-def _pin_threads(cpus: list[int]) -> None:
-    """Set the mask of every thread of this process, not only the caller's: Linux keeps one per
-    thread, and a Ray actor pins itself from its constructor, after Ray's own threads exist (in a
-    profiled run they did little: the roles' CPU off their sets was start-up, before pinning).
+def widen(cpus: list[int], but: int) -> None:
+    """Let every thread of this process but the one with OS id `but` run on `cpus` (and what they
+    start from now on). An RL worker keeps its engine's thread on rl.worker_cpus and lets the rest
+    work beside its sandboxes: the rollouts' harness (replies parsed, observations tokenized, tools
+    called), Ray's threads, the weights poller."""
+    _pin_threads(cpus, but)
+
+
+def _pin_threads(cpus: list[int], but: int | None = None) -> None:
+    """Set the mask of every thread of this process (but `but`), not only the caller's: Linux keeps
+    one per thread, and a Ray actor pins itself from its constructor, after Ray's own threads exist
+    (in a profiled run they did little: the roles' CPU off their sets was start-up, before pinning).
     Threads started later inherit their starter's mask; repeat until no new one appeared."""
-    done: set[str] = set()
+    done: set[str] = {str(but)}
     while todo := set(os.listdir("/proc/self/task")) - done:
         for tid in todo:
             try:

@@ -42,7 +42,7 @@ class RolloutWorker:
         from kiln.model.tokenizer import load_tokenizer
         from kiln.tasks.record import load_suite
 
-        from .placement import pin_checked
+        from .placement import pin_checked, widen
         from .store import WeightStore, WeightSubscriber
 
         self.cfg, rl = cfg, cfg.rl
@@ -74,6 +74,8 @@ class RolloutWorker:
                              carry_turns=True, lookup=0 if mtp is not None else cfg.engine.lookup)
         self.runner = EngineRunner(self.engine)
         self.runner.start()
+        if cfg.sandbox.cpus:  # the engine's thread keeps the worker's CPUs; the rest works for the sandboxes
+            widen(sorted(set(rl.worker_cpus or os.sched_getaffinity(0)) | set(cfg.sandbox.cpus)), but=self.runner.thread_id)
         self.stop = threading.Event()
         self.poller = threading.Thread(target=self._poll_weights, name="weights", daemon=True)
         self.poller.start()

@@ -36,6 +36,21 @@ def _pinned_after_a_thread(cpus, threads, q):
     t.join()
 
 
+def _widened_but_the_engine(cpus, every, q):
+    # As an RL worker: pinned, its engine's thread started, then the rest widened to the sandboxes' CPUs too.
+    placement.pin(cpus, 1)
+    stop = threading.Event()
+    engine = threading.Thread(target=stop.wait)
+    engine.start()
+    placement.widen(every, but=engine.native_id)
+    later = threading.Thread(target=lambda: q.put(sorted(os.sched_getaffinity(0))))
+    later.start()
+    later.join()
+    q.put((sorted(os.sched_getaffinity(engine.native_id)), sorted(os.sched_getaffinity(0))))
+    stop.set()
+    engine.join()
+
+
 def _run_pinned(cpus, threads=None, child=_pinned_child):
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
@@ -82,3 +97,16 @@ def test_run_rl_refuses_a_bad_placement_before_starting_anything(tmp_path):
     with pytest.raises(RLError, match="rl.trainer_cpus names CPU"):
         run_rl(cfg, str(tmp_path / "no-checkpoint"), str(tmp_path / "rl"), progress=False)
     assert not (tmp_path / "rl").exists()
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="one CPU leaves nothing to widen to")
+def test_widen_lets_every_thread_but_the_engines_off_its_cpus():
+    every = sorted(os.sched_getaffinity(0))
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    p = ctx.Process(target=_widened_but_the_engine, args=([every[-1]], every, q))
+    p.start()
+    later, (engine, caller) = q.get(timeout=60), q.get(timeout=60)
+    p.join(10)
+    assert p.exitcode == 0
+    assert (engine, caller, later) == ([every[-1]], every, every)
