@@ -112,7 +112,7 @@ class Zygote:
         """Work where the sandbox being made will run (sandbox.cpus): its mounts, a fork's copy of the
         upper layer and its keeper's fork are the sandbox's work, not the client's. An RL worker pins
         itself to its engine's CPU, where the zygote's ~16 ms a create and ~7 ms a close took turns
-        with decoding (moving it: both arms of benchmarks/rl_async.py 6-8% faster, docs)."""
+        with decoding (moving it: benchmarks/rl_async.py's asynchronous arm 5-6% faster, docs)."""
         try:
             os.sched_setaffinity(0, cpus or self.home_cpus)
         except OSError:
