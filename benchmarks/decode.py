@@ -241,15 +241,15 @@ def decode(args, tok, model, mtp_sd, mtp_hl, ckpt: Path) -> None:
 
     # Prompt lookup (engine.lookup: the drafter of kiln rl's workers and the bench's local policy), batch 1
     # as part 2: drafts copied from each sequence's own text, verified as the MTP's are; nothing runs to draft.
-    depth = EngineConfig().lookup
-    kiln_generate(prompts[:1], batch=1, lookup=depth)  # warm up
+    most = EngineConfig().lookup  # drafts a step
+    kiln_generate(prompts[:1], batch=1, lookup=most)  # warm up
     (lp_s, (lp_out, _), lp_ts), (lk_s, (lk_out, lk_stats), lk_ts) = timed(
-        lambda: kiln_generate(prompts, batch=1), lambda: kiln_generate(prompts, batch=1, lookup=depth))
+        lambda: kiln_generate(prompts, batch=1), lambda: kiln_generate(prompts, batch=1, lookup=most))
     r["lookup_greedy_identical"] = lp_out == lk_out
     r["lookup_mean_accepted"] = lk_stats.mean_accepted
     r["lookup_speedup"] = lp_s / lk_s
     r["lookup_speedup_rounds"] = spread(lp_ts, lk_ts)
-    print(f"prompt lookup, batch 1 ({len(prompts)} prompts in turn, up to {depth} drafts): x{lp_s / lk_s:.2f} plain "
+    print(f"prompt lookup, batch 1 ({len(prompts)} prompts in turn, up to {most} drafts): x{lp_s / lk_s:.2f} plain "
           f"({lk_stats.mean_accepted:.2f} accepted a step; middle half of the rounds {r['lookup_speedup_rounds']}), "
           f"same tokens: {lp_out == lk_out}", flush=True)
 
