@@ -13,6 +13,7 @@ long rollout. A group's files are returned whole, as data: the driver keeps them
 """
 from __future__ import annotations
 
+import gc
 import os
 import sys
 import threading
@@ -80,6 +81,10 @@ class RolloutWorker:
         self.poller = threading.Thread(target=self._poll_weights, name="weights", daemon=True)
         self.poller.start()
         self.tasks = {t.id: t for t in load_suite(start["tasks"].local())}
+        # What is loaded by now lives as long as the worker (torch's and Ray's modules, the model, the
+        # tokenizer, the tasks): full collections need not walk it. They took ~120 ms each over ~350k
+        # objects, 0.6 s of a 17 s asynchronous arm, holding the GIL; frozen, 0.03-0.09 s (docs).
+        gc.freeze()
 
     def _poll_weights(self) -> None:
         while not self.stop.wait(POLL_S):
