@@ -17,6 +17,7 @@ Deliberate deviations from textbook GRPO (RECIPE.md "RL"), and why:
 from __future__ import annotations
 
 import copy
+import gc
 import time
 from pathlib import Path
 
@@ -60,6 +61,10 @@ class Trainer:
         if self.last is not None:  # its state was saved before the publish that sized the delta
             pub = self.store.size(version)
             self.last.update(delta_fraction=pub["delta_fraction"], delta_bytes=pub["bytes_written"])
+        # What is loaded by now (torch's and Ray's modules, the model and its frozen copy, the optimizer)
+        # lives as long as the trainer: full collections need not walk it. They took 150-190 ms each over
+        # ~330k objects, 0.7-1.0 s of an 8-step run of benchmarks/rl_async.py; frozen, under 0.01 s (docs).
+        gc.freeze()
         self.began = time.monotonic()
 
     def ready(self) -> dict:
