@@ -1259,9 +1259,9 @@ int kiln_spec_decode(const Spec *c, int B, int n, int64_t *last, int64_t *drafts
 
 /* ---- prompt-lookup decoding, several steps a call ---------------------------------------------- *
  * lookup.py's lookup_step, up to n steps, for rows without top-k, top-p or stop strings, through the
- * same calls in the same order (so the same bits). A step proposes each row up to min(lookup,
- * max_len - length[b] - 1) drafts: the tokens after the latest earlier occurrence of its last N
- * known tokens. With none anywhere it is a plain step (a token a row); else each row is fed its last
+ * same calls in the same order (so the same bits). A step proposes each row the tokens after the
+ * latest earlier occurrence of its last N known tokens: 2^m of them, m the tokens before the two
+ * occurrences that match as well, and at most min(lookup, max_len - length[b] - 1). With none anywhere it is a plain step (a token a row); else each row is fed its last
  * token and its drafts (one ragged kiln_trunk), and verify's rule for point-mass drafts picks its new
  * tokens: greedy, the drafts up to the first that is not the argmax, then the argmax; sampled, draft d
  * kept while the next uniform is below p(d), else a token drawn without d (with d if nothing else has
@@ -1313,7 +1313,11 @@ int kiln_lookup_decode(const Model *m, const float *norm, int B, int n, int look
                 for (int j = 0; j < ngram && same; j++) same = h[i - ngram + j] == h[k - ngram + j];
                 if (same) at = i;
             }
-            lens[b] = 1 + (at < 0 ? 0 : k - at < depth ? k - at : depth), pos[b] = length[b];
+            int want = 1;  /* 2^m drafts (at most depth), m the tokens before the two n-grams that match too */
+            for (int m = 0; at >= 0 && want < depth && at - ngram - 1 - m >= 0
+                            && h[at - ngram - 1 - m] == h[k - ngram - 1 - m]; m++) want *= 2;
+            want = want < depth ? want : depth;
+            lens[b] = 1 + (at < 0 ? 0 : k - at < want ? k - at : want), pos[b] = length[b];
             fed[s * B + b] = lens[b];
             ids[off[b]] = h[k - 1];
             for (int j = 1; j < lens[b]; j++) ids[off[b] + j] = h[at + j - 1];

@@ -24,11 +24,24 @@ def model():
 def test_propose_copies_what_followed_the_latest_earlier_occurrence():
     r = Request([1, 2, 5, 1, 2, 7, 1], SamplingParams())
     r.tokens = [2]
-    assert propose(r, 3) == [7, 1, 2]  # (1, 2) last occurred before position 5
+    assert propose(r, 3) == [7]  # (1, 2) last occurred before position 5, after 5 where this one has 7
     r.tokens = [2, 9]
     assert propose(r, 3) == []  # (2, 9) never occurred before
     r.tokens = [2, 9, 1, 2]
-    assert propose(r, 2) == [9, 1]  # the index grew with the tokens
+    assert propose(r, 2) == [9]  # the index grew with the tokens
+
+
+def test_a_longer_match_drafts_more():
+    """2^m drafts, m the tokens before the matched pair that match too, at most `depth`."""
+    text = [8, 3, 4, 1, 2, 5, 6, 7, 9, 9]
+    for m, want in ((0, 1), (1, 2), (2, 4), (3, 4)):
+        r = Request(text + [0] + text[3 - m:4], SamplingParams())  # ends with m of text's tokens, then 1
+        r.tokens = [2]
+        assert propose(r, 4) == text[5:5 + want], m
+    r = Request(text + [3, 4, 1], SamplingParams())
+    r.tokens = [2]
+    assert propose(r, 3) == [5, 6, 7]  # at most depth
+    assert propose(r, 0) == []
 
 
 @pytest.mark.parametrize("native", [True, False])
@@ -43,6 +56,18 @@ def test_greedy_lookup_equals_plain_greedy(model, native):
         torch.testing.assert_close(torch.tensor(b.logprobs), torch.tensor(a.logprobs), atol=1e-4, rtol=0)
     s = engine.spec_stats
     assert s.steps > 0 and s.proposed[0] == s.steps and 0 < sum(s.accepted) <= sum(s.proposed)
+
+
+def test_native_runs_draft_as_propose_does(model):
+    """native.c's lookup runs choose the drafts propose() does: the same positions checked and accepted."""
+    prompts = [LOOP * 3, [11, 12] + LOOP * 2 + [13], LOOP[:7] + [20, 21] + LOOP]
+    stats = []
+    for native in (True, False):
+        engine = Engine(model, max_batch=4, native=native, lookup=4)
+        engine.generate(prompts, GREEDY)
+        s = engine.spec_stats
+        stats.append((s.steps, s.proposed, s.accepted))
+    assert stats[0][0] > 0 and stats[0] == stats[1]
 
 
 @pytest.mark.parametrize("mode", ["plain", "lookup", "lookup top_k=8"])
