@@ -133,8 +133,9 @@ class EngineConfig(Section):
     # a long context; attention's arithmetic stays fp32): 1.23-1.30x decoding at 1,500 positions, but
     # no measurable RL gain on the tiny preset, so float32 (docs: "Engine", bf16 KV cache).
     kv_dtype: Literal["float32", "bfloat16"] = "float32"
-    # Prompt-lookup drafts a decoding step, at most (engine/lookup.py: tokens copied from the sequence, verified
-    # exactly, so samples keep their distribution) in RL's workers and the bench's local policy; 0 = off.
+    # Most prompt-lookup drafts a decoding step (engine/lookup.py: tokens copied from the sequence, fewer
+    # after a shorter match, verified exactly, so samples keep their distribution) in RL's workers and
+    # the bench's local policy; 0 = off.
     # 4 by measurement: 0.83x the RL minutes of 0 on the tiny preset (docs: "Prompt lookup"). Where an
     # MTP drafter runs (rl.speculative, policy.speculative) it drafts instead.
     lookup: int = Field(4, ge=0, le=15)

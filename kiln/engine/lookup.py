@@ -6,9 +6,9 @@ draft; the main model verifies the drafts in one forward, as with the MTP drafte
 
 Each row proposes up to `depth` drafts, fewer after a shorter match (`propose`; none when its last
 N tokens never occurred before), and is fed its last token plus its own drafts, in one ragged
-native call for all rows (through torch, rows are padded to the longest). Verification is `speculative.verify` with q a point mass at each
-draft: greedy output equals plain greedy decoding, samples are distributed exactly as plain
-sampling.
+native call for all rows (through torch, rows are padded to the longest). Verification is
+`speculative.verify` with q a point mass at each draft: greedy output equals plain greedy
+decoding, samples are distributed exactly as plain sampling.
 """
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ def propose(r, depth: int) -> list[int]:
     """The tokens that followed the latest earlier occurrence of r's last N tokens (its prompt and
     tokens so far, indexed incrementally on the request): 2^m of them and at most `depth`, m the
     tokens before the two occurrences that match as well. A longer match is a likelier copy: on RL
-    rollouts 42% of drafts were accepted after a bare 2-gram match and 91% after 9 more tokens
+    rollouts 42% of drafts were accepted after a bare 2-gram match and 91% after 9 or more tokens
     (docs/architecture.md, "Draft length by match length")."""
     seq = r.prompt_ids + r.tokens
     # The n-gram ending before position i -> i, for every i but the end (the suffix itself); the

@@ -1261,7 +1261,8 @@ int kiln_spec_decode(const Spec *c, int B, int n, int64_t *last, int64_t *drafts
  * lookup.py's lookup_step, up to n steps, for rows without top-k, top-p or stop strings, through the
  * same calls in the same order (so the same bits). A step proposes each row the tokens after the
  * latest earlier occurrence of its last N known tokens: 2^m of them, m the tokens before the two
- * occurrences that match as well, and at most min(lookup, max_len - length[b] - 1). With none anywhere it is a plain step (a token a row); else each row is fed its last
+ * occurrences that match as well, and at most min(lookup, max_len - length[b] - 1). With none
+ * anywhere it is a plain step (a token a row); else each row is fed its last
  * token and its drafts (one ragged kiln_trunk), and verify's rule for point-mass drafts picks its new
  * tokens: greedy, the drafts up to the first that is not the argmax, then the argmax; sampled, draft d
  * kept while the next uniform is below p(d), else a token drawn without d (with d if nothing else has

@@ -24,7 +24,7 @@ def model():
 def test_propose_copies_what_followed_the_latest_earlier_occurrence():
     r = Request([1, 2, 5, 1, 2, 7, 1], SamplingParams())
     r.tokens = [2]
-    assert propose(r, 3) == [7]  # (1, 2) last occurred before position 5, after 5 where this one has 7
+    assert propose(r, 3) == [7]  # (1, 2) last occurred at 3-4, after a 5 where this one follows a 7: one draft
     r.tokens = [2, 9]
     assert propose(r, 3) == []  # (2, 9) never occurred before
     r.tokens = [2, 9, 1, 2]
