@@ -57,7 +57,10 @@ async_token_speedup: the same ratio over generated tokens per second, since the 
 `--seeds N` repeats the pair with N consecutive run.seed values (other prompts in another order,
 other samples; each run keeps the same steps and samples) and pools them: a ratio is total samples
 (or tokens) over total wall, an idle fraction total idle over total loop time. One pair's 32 rollouts are
-decided by how long a few of them run; the arms alternate within each seed.
+decided by how long a few of them run; the arms alternate within each seed. Each seed's own ratio is
+printed too, and their range is `async_speedup_seeds`: any change to drafting or numerics changes
+which rollouts a seed samples, so that range, not the pooled ratio's last digits, says what a
+difference between two runs means.
 """
 from __future__ import annotations
 
@@ -184,6 +187,8 @@ def main() -> None:
                   f"mean reward {r['reward_mean']:+.3f}", flush=True)
     res = {name: pooled(rs) for name, rs in runs.items()}
     speedup = res["async"]["samples_per_s"] / res["sync"]["samples_per_s"]
+    by_seed = [s["wall_s"] / a["wall_s"] for s, a in zip(runs["sync"], runs["async"])]  # a seed's arms: the same samples
+    print(f"async_speedup by seed: {' '.join(f'{x:.2f}' for x in by_seed)}", flush=True)
     # The arms' rollouts differ (the async arm samples from older versions), and so do their lengths:
     # a few long failing rollouts among 32 move samples/s; generated tokens/s does not count length.
     token_speedup = res["async"]["tokens_per_s"] / res["sync"]["tokens_per_s"]
@@ -197,7 +202,8 @@ def main() -> None:
           f"{res['async']['trained_tokens_per_s']:.0f} asynchronously ({trainer_speed:.0%})", flush=True)
     print(f"the synchronous arm's phases perfectly overlapped: async_speedup at most {ceiling:.3f} "
           f"(measured {speedup:.3f}, {speedup / ceiling:.0%} of it)", flush=True)
-    print(f"async_speedup={speedup:.3f} async_token_speedup={token_speedup:.3f} "
+    print(f"async_speedup={speedup:.3f} async_speedup_seeds={min(by_seed):.2f}-{max(by_seed):.2f} "
+          f"async_token_speedup={token_speedup:.3f} "
           f"sync_tokens={res['sync']['tokens']} async_tokens={res['async']['tokens']} "
           f"async_ceiling={ceiling:.3f} overlap_efficiency={speedup / ceiling:.3f} "
           f"sync_rollout_s={sync['rollout_s']:.1f} sync_train_s={rest:.1f} trainer_speed_ratio={trainer_speed:.3f} "
