@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 
 import pytest
 import typer.main
@@ -46,6 +47,17 @@ def invoke(*args):
     return result
 
 
+# The session's Ray (tests/conftest.py, log_to_driver) forwards its raylet's and actors' lines to this
+# process's stderr whenever they come, so into a command's captured stderr too: a disk over 95% full
+# once put the raylet's warning into one.
+RAY_LINE = re.compile(r"^(?:\x1b\[[\d;]*m)?\((?:raylet|[^)]* ?pid=\d+)\)")
+
+
+def err(result) -> str:
+    """A command's own stderr: without lines Ray forwarded meanwhile."""
+    return "".join(line for line in result.stderr.splitlines(True) if not RAY_LINE.match(line))
+
+
 def test_import_harbor_imports_good_folders_and_skips_bad_ones(tmp_path, tcfg):
     good, out = harbor_folder(tmp_path / "add-fix"), tmp_path / "suite"
     (tmp_path / "empty").mkdir()
@@ -53,15 +65,15 @@ def test_import_harbor_imports_good_folders_and_skips_bad_ones(tmp_path, tcfg):
                     f"sandbox.state_dir={tcfg.state_dir}")
     assert result.exit_code == 0, result.output
     assert "imported add-fix" in result.stdout and f"imported 1 task into {out}; skipped 1" in result.stdout
-    assert result.stderr == f"skipped {tmp_path / 'empty'}: no instruction.md (is this a Harbor task folder?)\n"
+    assert err(result) == f"skipped {tmp_path / 'empty'}: no instruction.md (is this a Harbor task folder?)\n"
     [task] = load_suite(str(out))
     assert task.id == "add-fix" and "+    return a + b" in task.solution  # solve.sh ran in the sandbox
 
     result = invoke("tasks", "import-harbor", tmp_path / "empty", "--out", out)
     assert result.exit_code == 2
-    assert result.stderr.splitlines()[-1] == f"error: nothing imported into {out}; skipped 1 (reasons above)"
+    assert err(result).splitlines()[-1] == f"error: nothing imported into {out}; skipped 1 (reasons above)"
     result = invoke("tasks", "import-harbor", good, "--out", out, "sandbox.memroy_mb=1")  # overrides still parse
-    assert result.exit_code == 2 and "error: unknown config key 'sandbox.memroy_mb'" in result.stderr
+    assert result.exit_code == 2 and "error: unknown config key 'sandbox.memroy_mb'" in err(result)
 
 
 def test_import_harbor_validates_by_default_and_ends_with_a_table(tmp_path, tcfg):
@@ -80,7 +92,7 @@ def test_import_harbor_validates_by_default_and_ends_with_a_table(tmp_path, tcfg
                      ["no-solution", "imported", "not validated: no solution to run"],
                      ["empty", "skipped", "no instruction.md (is this a Harbor task folder?)"]]
     assert lines[-1] == f"imported 2 tasks into {out}; skipped 1 (reasons above)"
-    assert "warning: " in result.stderr and "allow_internet = true" in result.stderr
+    assert "warning: " in err(result) and "allow_internet = true" in err(result)
     tasks = {t.id: t for t in load_suite(str(out))}
     assert ".harbor/tests/test_outputs.py::test_add" in tasks["add-fix"].fail_to_pass  # derived by validation
     assert tasks["no-solution"].fail_to_pass == ["harbor::reward"]
@@ -103,7 +115,7 @@ def test_import_swebench_imports_good_rows_and_names_each_bad_one(row_file, tmp_
     result = invoke("tasks", "import-swebench", rows, "--repos", root / "repos", "--out", out)
     assert result.exit_code == 0, result.output
     assert result.stdout == f"imported 1 task into {out}; skipped 3 (reasons above)\n"
-    skipped = result.stderr.splitlines()
+    skipped = err(result).splitlines()
     assert len(skipped) == 3 and all(s.startswith(f"skipped {rows}:") for s in skipped)
     assert f"{rows}:1 (other-1): no local clone of 'acme/nowhere'" in skipped[0]
     assert f"{rows}:3 (acme__calc-3): missing field(s) ['patch']" in skipped[1]
@@ -113,7 +125,7 @@ def test_import_swebench_imports_good_rows_and_names_each_bad_one(row_file, tmp_
     write_rows([no_patch], str(rows))
     result = invoke("tasks", "import-swebench", rows, "--repos", root / "repos", "--out", tmp_path / "none")
     assert result.exit_code == 2
-    assert result.stderr.splitlines() == [
+    assert err(result).splitlines() == [
         f"skipped {rows}:1 (acme__calc-3): missing field(s) ['patch']",
         f"error: nothing imported into {tmp_path / 'none'}; skipped 1 (reasons above)"]
 
@@ -184,5 +196,5 @@ def test_a_user_mistake_is_one_error_line(small_suite, tmp_path, command, error)
     fill = {"tmp": tmp_path, "suite": small_suite}
     result = invoke(*command.format(**fill).split())
     assert result.exit_code == 2, result.output
-    [line] = result.stderr.splitlines()
+    [line] = err(result).splitlines()
     assert line.startswith(error.format(**fill))
